@@ -1,0 +1,73 @@
+"""Tiny random models built from configs: the fast oracles of the test suite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 128
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **COMMON))
+
+
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    return Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **COMMON))
+
+
+def tiny_qwen3() -> Qwen3ForCausalLM:
+    return Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, head_dim=16, **COMMON))
+
+
+def tiny_gemma3(**overrides) -> Gemma3ForCausalLM:
+    # A window of 8 is shorter than the test prompts, so the sliding layers really slide.
+    config = Gemma3TextConfig(
+        num_hidden_layers=4,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        **{**COMMON, **overrides},
+    )
+    return Gemma3ForCausalLM(config)
+
+
+FAMILIES = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3}
+
+
+def build(name: str, seed: int = 0, **overrides):
+    """A tiny model in fp32 eval mode whose generation never stops early on EOS."""
+    torch.manual_seed(seed)
+    model = FAMILIES[name](**overrides).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: HF's own greedy generate, one unpadded prompt at a time."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request) -> str:
+    return request.param

@@ -1,0 +1,73 @@
+"""Logits processing against HF's own warpers (the oracle), and seeded sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from treespec.sampling import SamplingParams, logits_to_probs, next_tokens, sample
+
+
+def hf_probs(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None
+) -> torch.Tensor:
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p is not None and top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores.softmax(-1)
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8), (0.5, 10, 0.6), (1.0, 1, None), (2.0, 0, 0.05)],
+)
+def test_probs_equal_hf_warpers(temperature, top_k, top_p):
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 3
+    ours = logits_to_probs(logits, SamplingParams(temperature, top_k, top_p))
+    torch.testing.assert_close(ours, hf_probs(logits, temperature, top_k, top_p), atol=1e-6, rtol=1e-6)
+    assert torch.allclose(ours.sum(-1), torch.ones(6))
+
+
+def test_greedy_is_argmax_whatever_the_filters():
+    logits = torch.randn(3, 20)
+    params = SamplingParams(0.0, top_k=3, top_p=0.5)
+    assert torch.equal(next_tokens(logits, params), logits.argmax(-1))
+    assert torch.equal(logits_to_probs(logits, params).argmax(-1), logits.argmax(-1))
+
+
+def test_seeded_sampling_reproduces():
+    probs = torch.softmax(torch.randn(4, 30), -1)
+    a = sample(probs, torch.Generator().manual_seed(5))
+    b = sample(probs, torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+
+
+def test_sample_frequencies_follow_probs():
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(probs, gen) for _ in range(4000)]).flatten()
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    assert freq[3] == 0
+    torch.testing.assert_close(freq, probs[0], atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=1.0, top_k=-1), "top_k"),
+        (dict(temperature=1.0, top_p=0.0), "top_p"),
+        (dict(temperature=1.0, top_p=1.01), "top_p"),
+    ],
+)
+def test_bad_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)

@@ -1,0 +1,165 @@
+"""``treespec.generate``: the one-call Python API."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from treespec.engine import Engine, EngineStats
+from treespec.sampling import SamplingParams
+from treespec.target import Target
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Counts and timings of one ``generate`` call."""
+
+    num_requests: int
+    prompt_tokens: int
+    new_tokens: int
+    steps: int  # target forwards
+    total_s: float  # wall time of the whole call
+    forward_s: float  # of which inside target forwards
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @classmethod
+    def from_engine(cls, num_requests: int, stats: EngineStats, total_s: float) -> GenerationStats:
+        return cls(num_requests, stats.prompt_tokens, stats.new_tokens, stats.steps, total_s, stats.forward_s)
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """``sequences[i]`` holds the new tokens of request i (in input order), EOS included."""
+
+    sequences: list[list[int]]
+    stats: GenerationStats
+
+
+def as_prompts(input_ids, attention_mask: torch.Tensor | None = None) -> list[list[int]]:
+    """Normalise a list of token lists or a padded 2-D tensor (+ attention_mask) to token lists.
+
+    Padding is dropped here, so it never enters compute. Each mask row must be one run of ones
+    (left or right padding).
+    """
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids tensor must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if attention_mask is None:
+            return input_ids.tolist()
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids shape "
+                f"{tuple(input_ids.shape)}"
+            )
+        return [
+            _unpad(row, mask_row, i)
+            for i, (row, mask_row) in enumerate(
+                zip(input_ids.tolist(), attention_mask.tolist(), strict=False)
+            )
+        ]
+    if attention_mask is not None:
+        raise ValueError("attention_mask is only meaningful with a 2-D input_ids tensor")
+    if isinstance(input_ids, (str, bytes)):
+        raise TypeError(
+            "input_ids must be a list of token lists or a 2-D tensor, got text: tokenize it first"
+        )
+    if isinstance(input_ids, Sequence) and input_ids and all(isinstance(t, int) for t in input_ids):
+        return [list(input_ids)]  # one prompt given as a flat list
+    if not isinstance(input_ids, Sequence) or not all(
+        isinstance(p, (Sequence, torch.Tensor)) for p in input_ids
+    ):
+        raise TypeError(
+            f"input_ids must be a list of token lists or a 2-D tensor, got {type(input_ids).__name__}"
+        )
+    if not input_ids:
+        raise ValueError("input_ids holds no prompts")
+    return [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in input_ids]
+
+
+def _unpad(row: list[int], mask_row: list[int], index: int) -> list[int]:
+    kept = [i for i, m in enumerate(mask_row) if m]
+    if kept and kept[-1] - kept[0] + 1 != len(kept):
+        raise ValueError(
+            f"attention_mask row {index} has a hole: expected one run of ones (left or right padding)"
+        )
+    return [row[i] for i in kept]
+
+
+def _default_eos(model: PreTrainedModel) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def generate(
+    target: Target | PreTrainedModel,
+    input_ids,
+    *,
+    proposer: None = None,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    prefill_chunk_size: int | None = None,
+    generator: torch.Generator | None = None,
+    streamer=None,
+    attention_mask: torch.Tensor | None = None,
+) -> GenerationOutput:
+    """Generate from the target for a batch of prompts of different lengths.
+
+    ``input_ids`` is a list of token lists, or a padded 2-D tensor with ``attention_mask``.
+    ``eos_token_id=None`` takes the model's ``generation_config.eos_token_id`` (as HF does); pass
+    ``[]`` to never stop early. ``temperature=0`` is greedy. ``streamer`` follows HF's protocol
+    (``put`` then ``end``) and needs a single prompt. ``proposer`` must be None for now:
+    autoregressive decoding.
+    """
+    if proposer is not None:
+        raise TypeError(f"proposer must be None (autoregressive decoding), got {type(proposer).__name__}")
+    target = target if isinstance(target, Target) else Target(target)
+    prompts = as_prompts(input_ids, attention_mask)
+    if streamer is not None and len(prompts) != 1:
+        raise ValueError(f"a streamer needs exactly one prompt, got {len(prompts)}")
+    sampling = SamplingParams(temperature, top_k, top_p)
+    eos = _default_eos(target.model) if eos_token_id is None else eos_token_id
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    if target.max_context is not None and longest > target.max_context:
+        raise ValueError(
+            f"prompt + max_new_tokens = {longest} tokens exceeds the model's context of {target.max_context}"
+        )
+    start = time.perf_counter()
+    engine = Engine(
+        target,
+        max_batch_size=len(prompts),
+        max_len=longest,
+        prefill_chunk_size=prefill_chunk_size,
+        generator=generator,
+    )
+    ids = [
+        engine.add_request(p, max_new_tokens=max_new_tokens, eos_token_id=eos, sampling=sampling)
+        for p in prompts
+    ]
+    if streamer is not None:
+        streamer.put(torch.tensor([prompts[0]]))
+    while engine.has_unfinished():
+        for produced in engine.step():
+            if streamer is not None:
+                streamer.put(torch.tensor(produced.new_tokens))
+    if streamer is not None:
+        streamer.end()
+    sequences = [engine.pop(i).output for i in ids]
+    return GenerationOutput(
+        sequences, GenerationStats.from_engine(len(prompts), engine.stats, time.perf_counter() - start)
+    )

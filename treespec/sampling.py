@@ -1,0 +1,80 @@
+"""Logits -> probabilities (temperature, top-k, top-p) and seeded sampling.
+
+Semantics and order follow Hugging Face's logits warpers as ``generate(do_sample=True)`` applies
+them: temperature, then top-k, then top-p (nucleus, keeping at least one token). Temperature 0
+means greedy: the argmax of the raw logits, whatever top-k and top-p say.
+Randomness is an input: pass a ``torch.Generator`` so that seeded runs reproduce exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns target logits into tokens."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int | None = None  # None or 0 = no top-k filter
+    top_p: float | None = None  # None or 1.0 = no nucleus filter
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ValueError(f"top_k must be an int >= 0 or None, got {self.top_k!r}")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Target distribution after temperature, top-k and top-p, in float32.
+
+    Shape:
+        logits [N, V] -> probs [N, V]
+    """
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    scores = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p is not None and params.top_p < 1.0:
+        scores = _top_p_filter(scores, params.top_p)
+    return scores.softmax(-1)
+
+
+def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Drop the low tail whose total mass is <= 1 - top_p (HF's rule), keeping the top token."""
+    sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
+    tail_mass = sorted_scores.softmax(-1).cumsum(-1)
+    drop_sorted = tail_mass <= 1 - top_p
+    drop_sorted[..., -1] = False  # always keep the most likely token
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from ``probs [N, V]`` -> ``[N]`` long."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def next_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Pick the next token for each row of ``logits [N, V]`` -> ``[N]`` long."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(logits_to_probs(logits, params), generator)

@@ -1,0 +1,220 @@
+"""The target: an unmodified Hugging Face causal LM run as one flattened, ragged forward.
+
+treespec registers its attention function under the name ``"treespec"`` in transformers'
+attention-function registry and switches the model to it. The per-step metadata
+(:class:`StepMetadata`: cache, slots, lengths, bitmask) travels as the keyword argument
+``treespec_step`` of the model's forward, which transformers hands unchanged to every attention
+call. Nothing is set on the model per step. A call without that argument (for example the
+user's own ``model.generate``) falls through to PyTorch SDPA with transformers' own masks, so a
+wrapped model still behaves as before.
+
+All requests of a step go through the model as one sequence (batch dimension 1) with explicit
+position ids: positions are ``prefix_len + depth``; the K/V of new token i of request b are
+written to cache position ``prefix_lens[b] + i`` before attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from treespec.cache import KVCache
+from treespec.kernels.tree_attention import AttentionPlan, attend, build_plan
+
+ATTENTION_NAME = "treespec"
+STEP_KWARG = "treespec_step"
+
+
+@dataclass
+class StepMetadata:
+    """What every attention layer needs for one step. Built once per step, read by all layers.
+
+    Shapes (B requests in the step, T new tokens in all):
+        cu_q        [B+1] int32   request b owns rows cu_q[b]:cu_q[b+1]
+        slots       [B] int32     cache row of each request
+        prefix_lens [B] int32     committed tokens of each request
+        tree_mask   [T, W] int32  ancestor bitmask, or None for causal chains
+        q_positions [T] int32     sequence position of each new token
+        row_slots   [T] long      cache row each new token's K/V is written to
+        row_pos     [T] long      cache position each new token's K/V is written to
+    """
+
+    cache: KVCache
+    cu_q: torch.Tensor
+    slots: torch.Tensor
+    prefix_lens: torch.Tensor
+    tree_mask: torch.Tensor | None
+    q_positions: torch.Tensor
+    row_slots: torch.Tensor
+    row_pos: torch.Tensor
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    def plan(self, window: int | None) -> AttentionPlan:
+        """The attention plan for this step, built once per distinct sliding window."""
+        if window not in self._plans:
+            self._plans[window] = build_plan(
+                self.cu_q, self.prefix_lens, self.tree_mask, window=window, q_positions=self.q_positions
+            )
+        return self._plans[window]
+
+
+def _treespec_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention hook: [1, H, T, D] in, ([1, T, Hq, D], None) out."""
+    step: StepMetadata | None = kwargs.pop(STEP_KWARG, None)
+    if step is None:  # not a treespec forward: behave exactly like the SDPA implementation
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    layer = module.layer_idx
+    step.cache.write(layer, step.row_slots, step.row_pos, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    softcap = kwargs.get("softcap")  # only models whose attention passes it use it (Gemma 2 does)
+    out = attend(
+        query[0].transpose(0, 1),  # [T, Hq, D]
+        step.cache.keys[layer],
+        step.cache.values[layer],
+        step.slots,
+        step.plan(window),
+        sm_scale=scaling if scaling is not None else module.head_dim**-0.5,
+        softcap=softcap,
+    )
+    return out[None], None
+
+
+AttentionInterface.register(ATTENTION_NAME, _treespec_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # used only by non-treespec calls
+
+
+@dataclass
+class TargetOutput:
+    """One forward's results.
+
+    Shapes:
+        logits       [R, V]  float32, for the rows asked for (in that order)
+        hidden       [T, H]  final normed hidden state of every row
+        layer_hidden dict layer -> [T, H]: outputs of the chosen decoder layers (0 = embeddings)
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    layer_hidden: dict[int, torch.Tensor]
+
+
+def _check_causal_lm(model: object) -> None:
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
+    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if type(model).__name__ not in causal_classes or model.config.is_encoder_decoder:
+        raise TypeError(
+            f"{type(model).__name__} is not a decoder-only causal LM (expected e.g. LlamaForCausalLM, "
+            "Qwen2ForCausalLM, Gemma3ForCausalLM)"
+        )
+    config = model.config
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention=True is not supported: treespec attention is causal")
+    for name in ("logits_scaling", "logit_scale"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise ValueError(f"config.{name} is not supported by treespec's logits path")
+
+
+class Target:
+    """A wrapped HF causal LM that scores flattened ragged batches of chains and trees."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        _check_causal_lm(model)
+        self.model = model.eval()
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        config = model.config
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_context = getattr(config, "max_position_embeddings", None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """A cache shaped for this model."""
+        if self.max_context is not None and max_len > self.max_context:
+            raise ValueError(
+                f"cache length {max_len} exceeds the model's context of {self.max_context} tokens"
+            )
+        return KVCache(
+            self.num_layers,
+            num_slots,
+            self.num_kv_heads,
+            max_len,
+            self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        cu_q: torch.Tensor,
+        slots: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
+        depth: torch.Tensor | None = None,
+        logit_rows: torch.Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> TargetOutput:
+        """Score the new tokens of all requests in one pass.
+
+        Shape:
+            tokens [T] long; cu_q [B+1]; slots [B]; tree_mask [T, W] int32 or None (chains);
+            depth [T] (tree depth of each token; None = index within its request, i.e. chains);
+            logit_rows [R] (None = all rows)
+        """
+        device = self.device
+        cu_q = cu_q.to(device=device, dtype=torch.int32)
+        slots = slots.to(device=device, dtype=torch.int32)
+        num_new = (cu_q[1:] - cu_q[:-1]).long()
+        slot_list, lengths = slots.tolist(), [cache.lengths[s] for s in slots.tolist()]  # host sync
+        for slot, n in zip(slot_list, num_new.tolist(), strict=True):
+            cache.check_room(slot, n)  # before any compute
+        prefix_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        row_request = torch.repeat_interleave(torch.arange(len(slots), device=device), num_new)
+        row_index = torch.arange(len(tokens), device=device) - cu_q[:-1].long()[row_request]
+        row_prefix = prefix_lens.long()[row_request]
+        q_positions = row_prefix + (row_index if depth is None else depth.to(device).long())
+        step = StepMetadata(
+            cache=cache,
+            cu_q=cu_q,
+            slots=slots,
+            prefix_lens=prefix_lens,
+            tree_mask=None if tree_mask is None else tree_mask.to(device),
+            q_positions=q_positions,
+            row_slots=slots.long()[row_request],
+            row_pos=row_prefix + row_index,
+        )
+        out = self.model(
+            input_ids=tokens.to(device)[None],
+            position_ids=q_positions[None],
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=torch.arange(len(tokens), device=device)
+            if logit_rows is None
+            else logit_rows.to(device),
+            **{STEP_KWARG: step},
+        )
+        states = out.hidden_states  # (embeddings, layer 1, ..., final normed)
+        return TargetOutput(
+            logits=out.logits[0].float(),
+            hidden=states[-1][0],
+            layer_hidden={layer: states[layer][0] for layer in hidden_layers},
+        )

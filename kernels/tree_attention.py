@@ -54,6 +54,9 @@ class AttentionPlan:
     row_index: torch.Tensor
     kv_len: torch.Tensor
     visible: torch.Tensor
+    slot_index: torch.Tensor | slice  # cache rows of the requests; a slice when they are consecutive
+    uniform: bool  # every request has n_max new tokens: padding q is a reshape
+    all_visible: bool  # no key is masked (e.g. one request decoding one token): attention needs no mask
 
     @property
     def num_requests(self) -> int:
@@ -77,6 +80,7 @@ def unpack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
 
 def build_plan(
     cu_q: torch.Tensor,
+    slots: torch.Tensor,
     prefix_lens: torch.Tensor,
     tree_mask: torch.Tensor | None = None,
     *,
@@ -88,10 +92,10 @@ def build_plan(
     cu_q = cu_q.long()
     prefix = prefix_lens.long()
     num_new = cu_q[1:] - cu_q[:-1]  # [B]
-    num_rows = int(cu_q[-1])  # host sync: sizes the padded tensors
     kv_len = prefix + num_new
-    n_max = int(num_new.max()) if num_new.numel() else 0  # host sync
-    l_max = int(kv_len.max()) if kv_len.numel() else 0  # host sync
+    # One host sync sizes the padded tensors and picks the fast paths.
+    num_new_list, kv_len_list, slot_list = num_new.tolist(), kv_len.tolist(), slots.tolist()
+    num_rows, n_max, l_max = sum(num_new_list), max(num_new_list, default=0), max(kv_len_list, default=0)
 
     row_request = torch.repeat_interleave(torch.arange(len(num_new), device=device), num_new)  # [T]
     row_index = torch.arange(num_rows, device=device) - cu_q[row_request]  # [T]
@@ -116,7 +120,12 @@ def build_plan(
     is_padded_row = query[None, :] >= num_new[:, None]  # [B, n_max]
     visible[is_padded_row] = False
     visible[..., 0] |= is_padded_row  # a fully masked row would give NaN
-    return AttentionPlan(row_request, row_index, kv_len, visible)
+    consecutive = (
+        slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))) if slot_list else False
+    )
+    slot_index = slice(slot_list[0], slot_list[0] + len(slot_list)) if consecutive else slots.long()
+    uniform = len(set(num_new_list)) <= 1
+    return AttentionPlan(row_request, row_index, kv_len, visible, slot_index, uniform, bool(visible.all()))
 
 
 def _window_mask(prefix, cu_q, q_positions, rel, is_new_key, row_request, row_index, window):
@@ -137,7 +146,6 @@ def attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slots: torch.Tensor,
     plan: AttentionPlan,
     *,
     sm_scale: float,
@@ -146,17 +154,26 @@ def attend(
     """Run attention for one layer with a prebuilt plan. Shapes as in the module contract."""
     num_rows, num_heads, head_dim = q.shape
     batch, n_max, l_max = plan.visible.shape
-    q_pad = q.new_zeros(batch, n_max, num_heads, head_dim)
-    q_pad[plan.row_request, plan.row_index] = q
-    q_pad = q_pad.transpose(1, 2)  # [B, Hq, n_max, D]
-    k = k_cache[slots.long(), :, :l_max]  # [B, Hkv, L_max, D]
-    v = v_cache[slots.long(), :, :l_max]
-    mask = plan.visible[:, None]  # [B, 1, n_max, L_max]
+    # PyTorch's CPU attention is several times slower in bf16/fp16 than in fp32, and the copy
+    # out of the cache is needed anyway: compute in fp32 there, return q's dtype.
+    compute = torch.float32 if q.device.type == "cpu" else q.dtype
+    if plan.uniform:  # rows are request-major with n_max rows each: padding is a reshape
+        q_pad = q.view(batch, n_max, num_heads, head_dim)
+    else:
+        q_pad = q.new_zeros(batch, n_max, num_heads, head_dim)
+        q_pad[plan.row_request, plan.row_index] = q
+    q_pad = q_pad.transpose(1, 2).to(compute)  # [B, Hq, n_max, D]
+    k = k_cache[plan.slot_index, :, :l_max].to(compute)  # [B, Hkv, L_max, D]
+    v = v_cache[plan.slot_index, :, :l_max].to(compute)
+    mask = None if plan.all_visible else plan.visible[:, None]  # [B, 1, n_max, L_max]
     if softcap is None:
         out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True)
     else:
-        out = _attend_softcap(q_pad, k, v, mask, sm_scale, softcap)
-    return out.transpose(1, 2)[plan.row_request, plan.row_index]  # [T, Hq, D]
+        out = _attend_softcap(q_pad, k, v, plan.visible[:, None], sm_scale, softcap)
+    out = out.transpose(1, 2).to(q.dtype)  # [B, n_max, Hq, D]
+    if plan.uniform:
+        return out.reshape(num_rows, num_heads, head_dim)
+    return out[plan.row_request, plan.row_index]  # [T, Hq, D]
 
 
 def _attend_softcap(q, k, v, mask, sm_scale, softcap):
@@ -191,8 +208,8 @@ def tree_attention_ref(
         tree_mask [T, W] or None; q_positions [T] or None -> out [T, Hq, D]
     """
     check_attention_inputs(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions)
-    plan = build_plan(cu_q, prefix_lens, tree_mask, window=window, q_positions=q_positions)
-    return attend(q, k_cache, v_cache, slots, plan, sm_scale=sm_scale, softcap=softcap)
+    plan = build_plan(cu_q, slots, prefix_lens, tree_mask, window=window, q_positions=q_positions)
+    return attend(q, k_cache, v_cache, plan, sm_scale=sm_scale, softcap=softcap)
 
 
 def check_attention_inputs(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions):

@@ -165,3 +165,13 @@ def test_attention_softcap_matches_hf_eager():
     cache.allocate()
     uncapped = target.forward(torch.tensor(prompt), cache, torch.tensor([0, len(prompt)]), torch.tensor([0]))
     assert not torch.allclose(uncapped.logits, expect, atol=1e-3)
+
+
+def test_bert_lm_head_is_not_causal_self_attention():
+    from transformers import BertLMHeadModel
+
+    config = BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
+    with pytest.raises((TypeError, ValueError), match="causal"):
+        Target(BertLMHeadModel(config))

@@ -170,7 +170,11 @@ def test_half_precision_dtypes(dtype, atol):
 
 
 def test_plan_padded_rows_never_nan():
-    plan = build_plan(torch.tensor([0, 1, 5], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32))
+    plan = build_plan(
+        torch.tensor([0, 1, 5], dtype=torch.int32),
+        torch.tensor([3, 1]),
+        torch.tensor([0, 2], dtype=torch.int32),
+    )
     assert plan.visible.shape == (2, 4, 6)
     assert plan.visible.any(-1).all()
 
@@ -187,3 +191,19 @@ def test_bad_inputs():
         tree_attention_ref(**{**batch, "prefix_lens": torch.tensor([95], dtype=torch.int32)}, sm_scale=1.0)
     with pytest.raises(ValueError, match="tree_mask"):
         tree_attention_ref(**{**batch, "tree_mask": torch.zeros(1, 1, dtype=torch.int32)}, sm_scale=1.0)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_fast_paths_equal_oracle(dtype, atol):
+    """Equal tree sizes (q padding is a reshape), consecutive slots (a slice), and a lone decode
+    token that sees every key (no mask) take the fast paths; the oracle must not notice."""
+    gen = torch.Generator().manual_seed(5)
+    trees = [random_parents(6, gen), random_parents(6, gen)]
+    batch = make_batch(trees, prefixes=[4, 13], slots=[2, 3], dtype=dtype)
+    plan = build_plan(batch["cu_q"], batch["slots"], batch["prefix_lens"], batch["tree_mask"])
+    assert plan.uniform and plan.slot_index == slice(2, 4) and not plan.all_visible
+    check_against_oracle(batch, trees, atol=atol)
+    single = make_batch([[-1]], prefixes=[30], slots=[1], dtype=dtype)
+    plan = build_plan(single["cu_q"], single["slots"], single["prefix_lens"], single["tree_mask"])
+    assert plan.uniform and plan.all_visible
+    check_against_oracle(single, [[-1]], atol=atol)

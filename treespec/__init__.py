@@ -1,12 +1,27 @@
-"""treespec: tree speculative decoding for Hugging Face causal language models."""
+"""treespec: tree speculative decoding for Hugging Face causal language models.
 
-from treespec.api import GenerationOutput, GenerationStats, generate
-from treespec.cache import KVCache
-from treespec.engine import Engine, RequestOutput
-from treespec.sampling import SamplingParams
-from treespec.target import Target
+Public names are imported lazily, so that ``import treespec`` (and the CLI's light commands)
+do not pay for importing transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "generate": "treespec.api",
+    "GenerationOutput": "treespec.api",
+    "GenerationStats": "treespec.api",
+    "Engine": "treespec.engine",
+    "RequestOutput": "treespec.engine",
+    "KVCache": "treespec.cache",
+    "SamplingParams": "treespec.sampling",
+    "Target": "treespec.target",
+    "load": "treespec.models",
+}
 
 __all__ = [
     "Engine",
@@ -17,4 +32,22 @@ __all__ = [
     "SamplingParams",
     "Target",
     "generate",
+    "load",
 ]
+assert sorted(__all__) == sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from treespec.api import GenerationOutput, GenerationStats, generate
+    from treespec.cache import KVCache
+    from treespec.engine import Engine, RequestOutput
+    from treespec.models import load
+    from treespec.sampling import SamplingParams
+    from treespec.target import Target
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'treespec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

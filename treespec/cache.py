@@ -93,6 +93,16 @@ class KVCache:
         self.keys[layer, row_slots, :, row_pos] = k.to(self.keys.dtype)
         self.values[layer, row_slots, :, row_pos] = v.to(self.values.dtype)
 
+    def write_run(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new K/V rows of one slot at positions start, start+1, ... (a slice, no gather).
+
+        Shape:
+            k, v [T, Hkv, D]
+        """
+        stop = start + k.shape[0]
+        self.keys[layer, slot, :, start:stop] = k.transpose(0, 1).to(self.keys.dtype)
+        self.values[layer, slot, :, start:stop] = v.transpose(0, 1).to(self.values.dtype)
+
     def commit(self, slots: Sequence[int], accepted: Sequence[Sequence[int]]) -> None:
         """Keep the accepted new tokens of each slot, contiguously after its prefix.
 

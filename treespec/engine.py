@@ -163,6 +163,7 @@ class Engine:
             torch.tensor(cu_q),
             torch.tensor([r.slot for r in self._running]),
             logit_rows=torch.tensor([cu_q[i + 1] - 1 for i in logit_requests], dtype=torch.long),
+            return_hidden=False,
         )
         self.stats.forward_s += time.perf_counter() - forward_start
         # A chain step accepts every token it carried.

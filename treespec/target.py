@@ -52,13 +52,19 @@ class StepMetadata:
     q_positions: torch.Tensor
     row_slots: torch.Tensor
     row_pos: torch.Tensor
+    single: tuple[int, int] | None = None  # (slot, prefix_len) when the step has one request
     _plans: dict = field(default_factory=dict, repr=False)
 
     def plan(self, window: int | None) -> AttentionPlan:
         """The attention plan for this step, built once per distinct sliding window."""
         if window not in self._plans:
             self._plans[window] = build_plan(
-                self.cu_q, self.prefix_lens, self.tree_mask, window=window, q_positions=self.q_positions
+                self.cu_q,
+                self.slots,
+                self.prefix_lens,
+                self.tree_mask,
+                window=window,
+                q_positions=self.q_positions,
             )
         return self._plans[window]
 
@@ -71,14 +77,17 @@ def _treespec_attention(module, query, key, value, attention_mask, scaling=None,
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     layer = module.layer_idx
-    step.cache.write(layer, step.row_slots, step.row_pos, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+    if step.single is not None:
+        step.cache.write_run(layer, *step.single, k, v)
+    else:
+        step.cache.write(layer, step.row_slots, step.row_pos, k, v)
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     softcap = kwargs.get("softcap")  # only models whose attention passes it use it (Gemma 2 does)
     out = attend(
         query[0].transpose(0, 1),  # [T, Hq, D]
         step.cache.keys[layer],
         step.cache.values[layer],
-        step.slots,
         step.plan(window),
         sm_scale=scaling if scaling is not None else module.head_dim**-0.5,
         softcap=softcap,
@@ -96,12 +105,12 @@ class TargetOutput:
 
     Shapes:
         logits       [R, V]  float32, for the rows asked for (in that order)
-        hidden       [T, H]  final normed hidden state of every row
+        hidden       [T, H]  final normed hidden state of every row (None if not asked for)
         layer_hidden dict layer -> [T, H]: outputs of the chosen decoder layers (0 = embeddings)
     """
 
     logits: torch.Tensor
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
     layer_hidden: dict[int, torch.Tensor]
 
 
@@ -114,9 +123,18 @@ def _check_causal_lm(model: object) -> None:
             f"{type(model).__name__} is not a decoder-only causal LM (expected e.g. LlamaForCausalLM, "
             "Qwen2ForCausalLM, Gemma3ForCausalLM)"
         )
+    if not getattr(model, "_supports_attention_backend", False):
+        raise TypeError(
+            f"{type(model).__name__}'s attention does not go through transformers' attention registry"
+        )
     config = model.config
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=True is not supported: treespec attention is causal")
+    attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+    if not attention or not all(m.is_causal for m in attention):
+        raise ValueError(
+            f"{type(model).__name__} has non-causal attention layers; treespec needs causal self-attention"
+        )
     for name in ("logits_scaling", "logit_scale"):
         if getattr(config, name, None) not in (None, 1, 1.0):
             raise ValueError(f"config.{name} is not supported by treespec's logits path")
@@ -172,6 +190,7 @@ class Target:
         depth: torch.Tensor | None = None,
         logit_rows: torch.Tensor | None = None,
         hidden_layers: tuple[int, ...] = (),
+        return_hidden: bool = True,
     ) -> TargetOutput:
         """Score the new tokens of all requests in one pass.
 
@@ -179,6 +198,7 @@ class Target:
             tokens [T] long; cu_q [B+1]; slots [B]; tree_mask [T, W] int32 or None (chains);
             depth [T] (tree depth of each token; None = index within its request, i.e. chains);
             logit_rows [R] (None = all rows)
+        ``return_hidden=False`` (with no ``hidden_layers``) skips collecting hidden states.
         """
         device = self.device
         cu_q = cu_q.to(device=device, dtype=torch.int32)
@@ -201,20 +221,21 @@ class Target:
             q_positions=q_positions,
             row_slots=slots.long()[row_request],
             row_pos=row_prefix + row_index,
+            single=(slot_list[0], lengths[0]) if len(slot_list) == 1 else None,
         )
         out = self.model(
             input_ids=tokens.to(device)[None],
             position_ids=q_positions[None],
             use_cache=False,
-            output_hidden_states=True,
+            output_hidden_states=return_hidden or bool(hidden_layers),
             logits_to_keep=torch.arange(len(tokens), device=device)
             if logit_rows is None
             else logit_rows.to(device),
             **{STEP_KWARG: step},
         )
-        states = out.hidden_states  # (embeddings, layer 1, ..., final normed)
+        states = out.hidden_states  # (embeddings, layer 1, ..., final normed) or None
         return TargetOutput(
             logits=out.logits[0].float(),
-            hidden=states[-1][0],
+            hidden=None if states is None else states[-1][0],
             layer_hidden={layer: states[layer][0] for layer in hidden_layers},
         )

@@ -132,7 +132,9 @@ def bench_case(name: str, dtype: str, batch: int, config: BenchConfig, prompts: 
         "new_tokens": new_tokens,
         "tokens_per_s": {m: new_tokens / statistics.median(t) for m, t in times.items()},
         "times_s": times,
-        "treespec_matches_hf_generate": outputs["treespec"] == outputs["hf_generate"],
+        # Expected True in fp32. In bf16 the two differ by rounding (treespec attends in fp32 on
+        # CPU; HF's bf16 results even depend on batch composition), so greedy paths may part.
+        "tokens_match_hf_generate": outputs["treespec"] == outputs["hf_generate"],
     }
     best_baseline = max(v for m, v in result["tokens_per_s"].items() if m != "treespec")
     result["speedup_vs_hf_generate"] = (
@@ -175,5 +177,5 @@ def _format_case(case: dict) -> str:
     return (
         f"{case['dtype']:>4} batch {case['batch']}: {rates}  |  treespec / hf_generate "
         f"{case['speedup_vs_hf_generate']:.2f}x, / best baseline {case['speedup_vs_best_baseline']:.2f}x, "
-        f"exact {case['treespec_matches_hf_generate']}"
+        f"same tokens as hf_generate: {case['tokens_match_hf_generate']}"
     )

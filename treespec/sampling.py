@@ -66,9 +66,31 @@ def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(drop, float("-inf"))
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row from ``probs [N, V]`` -> ``[N]`` long."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def sample(
+    probs: torch.Tensor, generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One token per row from ``probs [N, V]`` -> ``[N]`` long.
+
+    With ``uniforms [N]`` in [0, 1) the draw is the inverse CDF at that point: a deterministic
+    function of its inputs. Rows need not be normalised. Otherwise ``torch.multinomial`` draws
+    from ``generator`` (the same stream HF's ``generate`` uses, so seeded runs can match it).
+    """
+    if uniforms is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return sample_from_uniforms(probs, uniforms)
+
+
+def sample_from_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: the first token whose cumulative mass exceeds ``u * total``.
+
+    A token of zero mass is never chosen: its cumulative mass equals its predecessor's.
+
+    Shape:
+        probs [N, V], uniforms [N] -> tokens [N] long
+    """
+    cdf = probs.float().cumsum(-1)  # [N, V]
+    point = uniforms.float().clamp(0.0, 1.0)[:, None] * cdf[:, -1:]  # [N, 1]
+    return torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 def next_tokens(

@@ -1,0 +1,345 @@
+"""The tree rejection sampler: which drafted nodes the target keeps, plus one token of its own.
+
+Terminology (the words reappear in identifiers):
+    root       node 0 of a request's tree: its last committed token. Always kept: its K/V was
+               written in this step and its logits predict the first new token.
+    accepted   a drafted node the target keeps. The walk starts at the root and at each node
+               moves to the child the target accepts, or stops.
+    bonus      the one token the target adds after the last accepted node, so that every step
+               commits at least one token.
+    recovered  a bonus drawn from the residual distribution left after rejections (as opposed
+               to a fresh draw from the target at a node whose children were not tried).
+    target_probs / draft_probs   the target's distribution p (after temperature, top-k, top-p)
+               and the draft's distribution q at a node, over the next token.
+
+Modes (what each guarantees is argued in docs/verification.md):
+    greedy         temperature 0: accept the child equal to the target's argmax at its parent;
+                   the bonus is that argmax. Output equals greedy decoding of the target.
+    deterministic  top-k children, tried in order: accept x with probability p(x); on
+                   rejection p(x) <- 0 and renormalise; the bonus is drawn from what remains.
+                   Lossless: the committed tokens are distributed exactly as under p.
+    sampled        children drawn one after another from q without replacement: accept x with
+                   probability min(1, p(x) / q(x)); on rejection p <- norm(max(p - q, 0)) and
+                   q <- q without x (renormalised) before the next sibling. Lossless.
+                   ``deterministic`` is this rule with a one-hot q.
+    typical        Medusa's typical acceptance (lossy, opt-in): x passes if
+                   p(x) > min(eps, delta * exp(-H(p))); the deepest path of passing nodes wins
+                   (first in node order on ties); the bonus is drawn from p at its end.
+
+Randomness is an input: ``uniforms [T, 2]`` (column 0: the acceptance test of node t as a child;
+column 1: the bonus draw if the walk ends at node t), or a ``torch.Generator`` to draw them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from treespec.sampling import SamplingParams, logits_to_probs, sample_from_uniforms
+from treespec.tree import TokenTree
+
+Mode = Literal["greedy", "deterministic", "sampled", "typical"]
+MODES = ("greedy", "deterministic", "sampled", "typical")
+NO_NODE = -1  # padding in children tables and paths
+_TINY = 1e-30  # keeps a renormalisation finite when a residual is (numerically) empty
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    """What the target keeps of each request's tree.
+
+    Shapes (B requests, A = total kept nodes):
+        accepted_nodes [A] long   per request, the root then each accepted node, in path order;
+                                  indices within the request's own tree
+        cu_accepted    [B+1] long request b owns accepted_nodes[cu_accepted[b]:cu_accepted[b+1]]
+        num_accepted   [B] long   accepted drafted tokens (the root not counted)
+        bonus_tokens   [B] long   the target's own token after the last accepted node
+    """
+
+    accepted_nodes: torch.Tensor
+    cu_accepted: torch.Tensor
+    num_accepted: torch.Tensor
+    bonus_tokens: torch.Tensor
+
+    def committed_tokens(self, tree: TokenTree) -> list[list[int]]:
+        """Per request: the accepted drafted tokens, then the bonus (host sync)."""
+        starts = tree.cu_nodes[:-1]
+        request = torch.repeat_interleave(torch.arange(len(self.num_accepted)), self.num_accepted + 1)
+        tokens = tree.tokens[self.accepted_nodes + starts[request]].tolist()
+        cu, bonus = self.cu_accepted.tolist(), self.bonus_tokens.tolist()
+        return [tokens[cu[b] + 1 : cu[b + 1]] + [bonus[b]] for b in range(len(bonus))]
+
+    def accepted_lists(self) -> list[list[int]]:
+        """Per request, the kept node indices (root first), as the KV cache's commit wants them."""
+        nodes, cu = self.accepted_nodes.tolist(), self.cu_accepted.tolist()
+        return [nodes[cu[b] : cu[b + 1]] for b in range(len(cu) - 1)]
+
+
+def verify(
+    tree: TokenTree,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    *,
+    mode: Mode | None = None,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+    typical_eps: float = 0.09,
+    typical_delta: float = 0.3,
+) -> VerifyOutput:
+    """Walk every request's tree from its root and decide what the target keeps.
+
+    ``mode`` defaults to ``greedy`` at temperature 0, else ``deterministic``. Ask for
+    ``sampled`` explicitly, and only for trees whose children really were drawn from
+    ``draft_probs`` without replacement: on top-k children that rule is not lossless.
+
+    Shape:
+        target_logits [T, V]: row t is the target's next-token logits at node t
+        uniforms      [T, 2] in [0, 1), or None to draw them from ``generator``
+    """
+    mode = mode or ("greedy" if params.greedy else "deterministic")
+    check_inputs(tree, target_logits, mode, uniforms)
+    if mode == "greedy":
+        return _verify_greedy(tree, target_logits)
+    if params.greedy:
+        raise ValueError(f"mode {mode!r} samples and needs temperature > 0")
+    if uniforms is None:
+        uniforms = torch.rand(tree.num_nodes, 2, generator=generator, device=target_logits.device)
+    if mode == "typical":
+        return _verify_typical(tree, target_logits, params, uniforms, typical_eps, typical_delta)
+    return _verify_stochastic(tree, target_logits, params, uniforms, sampled_children=mode == "sampled")
+
+
+def check_inputs(
+    tree: TokenTree, target_logits: torch.Tensor, mode: str, uniforms: torch.Tensor | None
+) -> None:
+    """Raise ValueError naming the first thing that is wrong (shapes, structure, NaN/inf and where)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    num_nodes = tree.num_nodes
+    if target_logits.dim() != 2 or target_logits.shape[0] != num_nodes:
+        raise ValueError(f"target_logits must be [T={num_nodes}, V], got {tuple(target_logits.shape)}")
+    for name in ("parents", "depth", "tree_mask"):
+        if getattr(tree, name).shape[0] != num_nodes:
+            raise ValueError(f"tree.{name} has {getattr(tree, name).shape[0]} rows for {num_nodes} tokens")
+    if (
+        int(tree.cu_nodes[0]) != 0
+        or int(tree.cu_nodes[-1]) != num_nodes
+        or bool((tree.cu_nodes.diff() < 1).any())
+    ):
+        raise ValueError(
+            f"tree.cu_nodes must rise from 0 to {num_nodes} by >= 1, got {tree.cu_nodes.tolist()}"
+        )
+    _check_parents(tree)
+    vocab = target_logits.shape[1]
+    if bool(((tree.tokens < 0) | (tree.tokens >= vocab)).any()):
+        raise ValueError(f"tree tokens must lie in [0, {vocab})")
+    _check_finite(target_logits, tree, "target_logits")
+    if mode == "sampled":
+        if tree.draft_probs is None or tree.draft_probs.shape != target_logits.shape:
+            shape = None if tree.draft_probs is None else tuple(tree.draft_probs.shape)
+            raise ValueError(
+                f"sampled mode needs tree.draft_probs of shape {tuple(target_logits.shape)}, got {shape}"
+            )
+        # Two row reductions instead of elementwise masks: a sum is non-finite iff a row holds
+        # NaN or inf, and a row's min is negative iff it holds a negative entry.
+        bad = ~torch.isfinite(tree.draft_probs.sum(-1)) | (tree.draft_probs.amin(-1) < 0)
+        if bool(bad.any()):
+            raise ValueError(f"draft_probs row {int(bad.nonzero()[0])} has a negative or non-finite entry")
+    if uniforms is not None and uniforms.shape != (num_nodes, 2):
+        raise ValueError(f"uniforms must be [T={num_nodes}, 2], got {tuple(uniforms.shape)}")
+
+
+def _check_parents(tree: TokenTree) -> None:
+    local = torch.arange(tree.num_nodes) - torch.repeat_interleave(tree.cu_nodes[:-1], tree.cu_nodes.diff())
+    is_root = local == 0
+    bad = torch.where(is_root, tree.parents != NO_NODE, (tree.parents < 0) | (tree.parents >= local))
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0])
+        raise ValueError(
+            f"node {int(local[t])} (row {t}) has parent {int(tree.parents[t])}: roots need -1, other nodes a "
+            "parent in range that comes before them"
+        )
+
+
+def _check_finite(logits: torch.Tensor, tree: TokenTree, name: str) -> None:
+    # -inf marks a banned token (logits processors use it); NaN, +inf or a row of only -inf is an
+    # error. One reduction finds all three: a row's max is NaN, +inf or -inf exactly then.
+    bad = ~torch.isfinite(logits.amax(-1))
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0])
+        b = int(torch.searchsorted(tree.cu_nodes, torch.tensor(t), right=True)) - 1
+        raise ValueError(
+            f"{name} row {t} (request {b}, node {t - int(tree.cu_nodes[b])}) holds NaN or +inf, or only -inf"
+        )
+
+
+def children_table(tree: TokenTree) -> torch.Tensor:
+    """[T, C] global indices of each node's children in node order, NO_NODE-padded."""
+    num_nodes = tree.num_nodes
+    request = torch.repeat_interleave(torch.arange(tree.num_requests), tree.cu_nodes.diff())
+    global_parent = torch.where(tree.parents >= 0, tree.parents + tree.cu_nodes[request], NO_NODE)
+    child = (global_parent >= 0).nonzero().squeeze(-1)  # children, already in node order
+    parent_of_child = global_parent[child]
+    # Rank among siblings: position minus the first position of the same parent (sorted stably).
+    order = torch.argsort(parent_of_child, stable=True)
+    child, parent_of_child = child[order], parent_of_child[order]
+    first = torch.searchsorted(parent_of_child, parent_of_child)
+    rank = torch.arange(len(child)) - first
+    width = int(rank.max()) + 1 if len(child) else 1
+    table = torch.full((num_nodes, width), NO_NODE, dtype=torch.long)
+    table[parent_of_child, rank] = child
+    return table
+
+
+def _verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> VerifyOutput:
+    """Walk down, moving to the child whose token is the target's argmax at the current node.
+
+    Only the rows on the walked path are reduced, not all T rows: one [B, V] argmax per level.
+    """
+    children = children_table(tree)
+    child_tokens = torch.where(children >= 0, tree.tokens[children.clamp(min=0)], NO_NODE)  # [T, C]
+    current = tree.cu_nodes[:-1].clone()  # [B] global index of each request's current node
+    walking = torch.ones(tree.num_requests, dtype=torch.bool)
+    bonus = torch.zeros(tree.num_requests, dtype=torch.long)
+    while bool(walking.any()):  # host sync per level
+        best = target_logits[current].argmax(-1)  # [B]
+        match = child_tokens[current] == best[:, None]  # [B, C]; distinct siblings: at most one
+        found = walking & match.any(-1)
+        bonus = torch.where(walking & ~found, best, bonus)
+        next_node = children[current, match.int().argmax(-1)]
+        walking = found
+        current = torch.where(found, next_node, current)
+    return _finish(tree, current, bonus)
+
+
+def _deepest_kept(tree: TokenTree, kept: torch.Tensor, request: torch.Tensor) -> torch.Tensor:
+    """[B] global index of each request's deepest kept node (first in node order on ties)."""
+    index = torch.arange(tree.num_nodes)
+    score = torch.where(kept, tree.depth * tree.num_nodes + (tree.num_nodes - 1 - index), -1)  # unique, >= 0
+    best = torch.full((tree.num_requests,), -1, dtype=torch.long).scatter_reduce(0, request, score, "amax")
+    is_best = kept & (score == best[request])
+    return torch.zeros_like(best).scatter(0, request[is_best], index[is_best])
+
+
+def _finish(tree: TokenTree, last: torch.Tensor, bonus: torch.Tensor) -> VerifyOutput:
+    """Paths from each root to ``last [B]`` (global indices) -> the ragged output."""
+    starts = tree.cu_nodes[:-1]
+    num_accepted = tree.depth[last]
+    max_len = int(num_accepted.max()) + 1
+    path = torch.full((tree.num_requests, max_len), NO_NODE, dtype=torch.long)
+    node = last.clone()
+    request = torch.repeat_interleave(torch.arange(tree.num_requests), tree.cu_nodes.diff())
+    global_parent = torch.where(tree.parents >= 0, tree.parents + tree.cu_nodes[request], NO_NODE)
+    for _ in range(max_len):  # walk up from the last node, writing depths from the bottom
+        live = node >= 0
+        path[live, tree.depth[node[live]]] = node[live]
+        node = torch.where(live, global_parent[node.clamp(min=0)], NO_NODE)
+    keep = path >= 0
+    accepted = (path - starts[:, None])[keep]
+    cu = torch.zeros(tree.num_requests + 1, dtype=torch.long)
+    cu[1:] = (num_accepted + 1).cumsum(0)
+    return VerifyOutput(accepted, cu, num_accepted, bonus)
+
+
+def _verify_stochastic(
+    tree: TokenTree,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    uniforms: torch.Tensor,
+    *,
+    sampled_children: bool,
+) -> VerifyOutput:
+    """Recursive rejection sampling down the tree (see the module doc).
+
+    One pass per tree level over the requests still walking; within it, siblings in order, and
+    full-vocabulary work only on the rows that are trying a child. Host syncs: a few per sibling.
+    """
+    children = children_table(tree)
+    current = tree.cu_nodes[:-1].clone()  # [B] global index of each request's current node
+    bonus = torch.zeros(tree.num_requests, dtype=torch.long)
+    live = torch.arange(tree.num_requests)  # requests still walking
+    while len(live):
+        node = current[live]  # [L]
+        target_probs = logits_to_probs(target_logits[node], params)  # [L, V]
+        draft_probs = tree.draft_probs[node].float() if sampled_children else None
+        next_node = torch.full_like(node, NO_NODE)
+        for rank in range(children.shape[1]):
+            child = children[node, rank]
+            trying = ((child >= 0) & (next_node < 0)).nonzero().squeeze(-1)  # rows of `live`
+            if not len(trying):
+                break
+            child = child[trying]
+            token = tree.tokens[child]
+            p_x = target_probs[trying, token]
+            if sampled_children:
+                accept_prob = (p_x / draft_probs[trying, token].clamp(min=_TINY)).clamp(max=1.0)
+            else:
+                accept_prob = p_x
+            accepted = uniforms[child, 0] < accept_prob
+            next_node[trying[accepted]] = child[accepted]
+            rejected = trying[~accepted]
+            if len(rejected):
+                q_rows = None if draft_probs is None else draft_probs[rejected]
+                p_rows, q_rows = _residual(target_probs[rejected], q_rows, token[~accepted])
+                target_probs[rejected] = p_rows
+                if draft_probs is not None:
+                    draft_probs[rejected] = q_rows
+        stopping = next_node < 0
+        recovered = sample_from_uniforms(target_probs[stopping], uniforms[node[stopping], 1])
+        bonus[live[stopping]] = recovered
+        current[live[~stopping]] = next_node[~stopping]
+        live = live[~stopping]
+    return _finish(tree, current, bonus)
+
+
+def _residual(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor | None, token: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """After rejecting ``token`` in every row: p <- norm(max(p - q, 0)), q <- norm(q without x).
+
+    With no draft_probs (deterministic children) q is one-hot at ``token``, so p just loses x.
+
+    Shape:
+        target_probs, draft_probs [N, V]; token [N]
+    """
+    rows = torch.arange(len(token))
+    if draft_probs is None:
+        residual = target_probs.clone()
+        residual[rows, token] = 0.0
+    else:
+        residual = (target_probs - draft_probs).clamp(min=0.0)
+        draft_probs = draft_probs.clone()
+        draft_probs[rows, token] = 0.0
+        draft_probs = draft_probs / draft_probs.sum(-1, keepdim=True).clamp(min=_TINY)
+    # p == q empties the residual, but then x was accepted with probability 1: keep p.
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > _TINY, residual / mass.clamp(min=_TINY), target_probs), draft_probs
+
+
+def _verify_typical(
+    tree: TokenTree,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    uniforms: torch.Tensor,
+    eps: float,
+    delta: float,
+) -> VerifyOutput:
+    """Medusa's typical acceptance: lossy, but never rejects a token the target finds typical."""
+    if not (0 < eps <= 1 and delta >= 0):
+        raise ValueError(
+            f"typical acceptance needs 0 < eps <= 1 and delta >= 0, got eps={eps}, delta={delta}"
+        )
+    target_probs = logits_to_probs(target_logits, params)  # [T, V]
+    entropy = -torch.special.xlogy(target_probs, target_probs).sum(-1)  # [T]; 0 log 0 = 0
+    threshold = torch.minimum(torch.full_like(entropy, eps), delta * torch.exp(-entropy))
+    request = torch.repeat_interleave(torch.arange(tree.num_requests), tree.cu_nodes.diff())
+    global_parent = torch.where(tree.parents >= 0, tree.parents + tree.cu_nodes[request], 0)
+    passes = (tree.parents < 0) | (target_probs[global_parent, tree.tokens] > threshold[global_parent])
+    kept = tree.parents < 0
+    for _ in range(int(tree.depth.max())):
+        kept = kept | (passes & kept[global_parent])
+    last = _deepest_kept(tree, kept, request)
+    bonus = sample_from_uniforms(target_probs[last], uniforms[last, 1])
+    return _finish(tree, last, bonus)

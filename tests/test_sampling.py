@@ -71,3 +71,21 @@ def test_sample_frequencies_follow_probs():
 def test_bad_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_pre_drawn_uniforms_invert_the_cdf():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75], [0.5, 0.5, 0.0, 0.0]])
+    u = torch.tensor([0.0, 0.6])
+    assert sample(probs, uniforms=u).tolist() == [1, 1]  # mass 0 tokens are never chosen
+    assert sample(probs, uniforms=torch.tensor([0.2499, 0.4999])).tolist() == [1, 0]
+    assert sample(probs, uniforms=torch.tensor([0.2501, 0.9999])).tolist() == [3, 1]
+    unnormalised = probs * 7.0
+    assert torch.equal(sample(unnormalised, uniforms=u), sample(probs, uniforms=u))
+
+
+def test_uniform_grid_reproduces_the_distribution():
+    probs = torch.softmax(torch.randn(1, 12, generator=torch.Generator().manual_seed(3)), -1)
+    grid = (torch.arange(100_000) + 0.5) / 100_000  # a deterministic "sample" of [0, 1)
+    draws = sample(probs.expand(len(grid), -1), uniforms=grid)
+    freq = torch.bincount(draws, minlength=12).float() / len(grid)
+    torch.testing.assert_close(freq, probs[0], atol=2e-5, rtol=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build
+from conftest import COMMON, build
 from transformers import BertConfig, BertModel, Gemma2Config, Gemma2ForCausalLM
 
 from treespec.target import Target
@@ -136,16 +136,7 @@ def test_attention_softcap_matches_hf_eager():
     """Gemma 2 passes its attention logit cap to the attention function; HF's eager path applies it."""
     torch.manual_seed(0)
     config = Gemma2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        attn_logit_softcapping=2.0,
-        max_position_embeddings=256,
+        **COMMON, num_hidden_layers=2, head_dim=16, sliding_window=8, attn_logit_softcapping=2.0
     )
     model = Gemma2ForCausalLM(config).eval()
     with torch.no_grad():

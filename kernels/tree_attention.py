@@ -1,11 +1,11 @@
-"""Tree-masked multi-query attention over a slotted KV cache: the PyTorch reference.
+"""Tree-masked multi-query attention over a slotted KV cache: a Triton kernel and its PyTorch twin.
 
 Every new token of every request in a step is one query row of a single flattened batch
 (vLLM's layout). A query sees its request's whole committed prefix in the cache plus those new
 tokens of its own request that the ancestor bitmask marks (itself and its ancestors in the token
 tree). A prefill chunk is the degenerate case: a chain, i.e. causal (``tree_mask=None``).
 
-Contract (the Triton kernel in its own issue has the same signature)::
+Contract, shared by ``tree_attention_triton`` and ``tree_attention_ref``::
 
     tree_attention(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask=None, *,
                    sm_scale, window=None, softcap=None, q_positions=None) -> out
@@ -23,18 +23,336 @@ Contract (the Triton kernel in its own issue has the same signature)::
                                        visible to a query at position P only if P - p < window
       out             [T, Hq, D]       q's dtype; Hq a multiple of Hkv (grouped-query attention)
 
-The reference pads the ragged batch to [B, n_max] queries and [B, L_max] keys with a dense
-boolean mask, then runs one scaled-dot-product attention. The mask depends only on the step's
-metadata, so callers that run many layers per step build an :class:`AttentionPlan` once and call
-:func:`attend` per layer; :func:`tree_attention_ref` does both.
+The file reads top to bottom: the Triton kernel (flash-attention online softmax, one program
+per block of query tokens x all query heads of one KV head, optionally one slice of the prefix
+for split-KV), its Python wrapper, the PyTorch reference, and ``tree_attention``, which picks
+one. The reference pads the ragged batch to [B, n_max] queries and [B, L_max] keys with a dense
+boolean mask and runs one scaled-dot-product attention; callers that run many layers per step
+build an :class:`AttentionPlan` once and call :func:`attend` per layer.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference still runs; backend="triton" raises
+    triton = None
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _online_softmax_step(s, visible, v, m_i, l_i, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """Fold one key block into the running max m_i, normaliser l_i and output acc (base 2)."""
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _scores(
+        q, k, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr
+    ):
+        """[R, N] logits in base 2: q.k * sm_scale, soft-capped if asked, times 1/ln(2)."""
+        if UPCAST:  # the interpreter's tl.dot is wrong on bf16 operands
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s * qk_scale / softcap) - 1.0)
+            return s * 1.4426950408889634  # 1/ln(2): exp2 instead of exp
+        return s * (qk_scale * 1.4426950408889634)
+
+    @triton.jit
+    def _tree_attention_kernel(
+        Q, K, V, Out, CuQ, Slots, PrefixLens, TreeMask, QPos, BlockRequest, BlockStart,
+        PartialOut, PartialM, PartialL,
+        sm_scale, softcap, window, split_len,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_kl, stride_vs, stride_vh, stride_vl,
+        stride_ot, stride_oh, stride_mt,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """One program: BLOCK_M query tokens of one request x the GROUP query heads of KV head
+        `kv_head`, over one slice of the prefix (split-KV) and, in the last slice, the new tokens."""
+        block, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        num_splits = tl.num_programs(2)
+        request = tl.load(BlockRequest + block)
+        first = tl.load(BlockStart + block)  # index of the block's first token within the request
+        q_start = tl.load(CuQ + request)
+        num_new = tl.load(CuQ + request + 1) - q_start
+        prefix = tl.load(PrefixLens + request)
+        slot = tl.load(Slots + request).to(tl.int64)
+
+        rows = tl.arange(0, BLOCK_M * GROUP)  # token-major, then the group's heads
+        token = first + rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_ok = token < num_new
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        q_rows = (q_start + token).to(tl.int64)
+        q = tl.load(
+            Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+            mask=row_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+        if HAS_WINDOW:
+            q_pos = tl.load(QPos + q_rows, mask=row_ok, other=0)
+
+        m_i = tl.full([BLOCK_M * GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * GROUP], tl.float32)
+        acc = tl.zeros([BLOCK_M * GROUP, BLOCK_D], tl.float32)
+        k_base = K + slot * stride_ks + kv_head * stride_kh
+        v_base = V + slot * stride_vs + kv_head * stride_vh
+        keys = tl.arange(0, BLOCK_N)
+
+        # (a) the committed prefix: no mask but its length (and the window); this program's slice
+        lo = split * split_len
+        hi = tl.minimum(prefix, lo + split_len)
+        if HAS_WINDOW:  # keys before the block's earliest position minus the window are never seen
+            earliest = tl.min(tl.where(row_ok, q_pos, 2147483647))
+            lo = tl.maximum(lo, ((earliest - window + 1) // BLOCK_N) * BLOCK_N)
+        for start in range(lo, hi, BLOCK_N):
+            key = start + keys
+            key_ok = key < hi
+            kv_off = key.to(tl.int64)[:, None] * stride_kl + dims[None, :]
+            k = tl.load(k_base + kv_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            v = tl.load(v_base + kv_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            s = _scores(q, k, sm_scale, softcap, HAS_SOFTCAP, UPCAST, PRECISION)
+            visible = key_ok[None, :]
+            if HAS_WINDOW:
+                visible = visible & ((q_pos[:, None] - key[None, :]) < window)
+            m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc, UPCAST, PRECISION)
+
+        # (b) the new tokens, under the ancestor bitmask or causal: only in the last slice. A
+        # node's ancestors come before it, so keys past the block's last token are never seen.
+        new_hi = tl.where(split == num_splits - 1, tl.minimum(num_new, first + BLOCK_M), 0)
+        for start in range(0, new_hi, BLOCK_N):
+            j = start + keys
+            j_ok = j < num_new
+            kv_off = (prefix + j).to(tl.int64)[:, None] * stride_kl + dims[None, :]
+            k = tl.load(k_base + kv_off, mask=j_ok[:, None] & dim_ok[None, :], other=0.0)
+            v = tl.load(v_base + kv_off, mask=j_ok[:, None] & dim_ok[None, :], other=0.0)
+            s = _scores(q, k, sm_scale, softcap, HAS_SOFTCAP, UPCAST, PRECISION)
+            if HAS_TREE:
+                word = tl.load(
+                    TreeMask + q_rows[:, None] * stride_mt + (j // 32)[None, :],
+                    mask=row_ok[:, None] & j_ok[None, :],
+                    other=0,
+                )
+                visible = ((word >> (j % 32)[None, :]) & 1) != 0
+            else:
+                visible = j[None, :] <= token[:, None]
+            visible = visible & j_ok[None, :]
+            if HAS_WINDOW:
+                k_pos = tl.load(QPos + q_start + j, mask=j_ok, other=0)
+                visible = visible & ((q_pos[:, None] - k_pos[None, :]) < window)
+            m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc, UPCAST, PRECISION)
+
+        if SPLIT:  # partial results in base 2, combined by _combine_splits
+            part = (block * tl.num_programs(1) + kv_head) * num_splits + split
+            part_rows = part * (BLOCK_M * GROUP) + rows
+            tl.store(PartialM + part_rows, m_i)
+            tl.store(PartialL + part_rows, l_i)
+            tl.store(PartialOut + part_rows[:, None] * BLOCK_D + dims[None, :], acc)
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l = 0 only on padded rows
+            tl.store(
+                Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                out.to(Out.dtype.element_ty),
+                mask=row_ok[:, None] & dim_ok[None, :],
+            )
+
+    # Block sizes are tuned per (head dim, group, query block, tree/causal, split) on the GPU;
+    # configurations that do not fit the chip's shared memory are pruned by the autotuner.
+    _TUNING_CONFIGS = [
+        triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+        for block_n in (32, 64, 128)
+        for warps in (4, 8)
+        for stages in (2, 3)
+    ]
+    _tree_attention_kernel_tuned = triton.autotune(
+        _TUNING_CONFIGS, key=["HEAD_DIM", "GROUP", "BLOCK_M", "HAS_TREE", "SPLIT"]
+    )(_tree_attention_kernel)
+
+
+# --------------------------------------------------------------------------------------------
+# Python wrapper
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TritonSchedule:
+    """Which program does what: blocks of BLOCK_M query tokens, each within one request.
+
+    Shapes (NB blocks):
+        block_request [NB] int32   the request a block belongs to
+        block_start   [NB] int32   index of its first token within that request
+    """
+
+    block_request: torch.Tensor
+    block_start: torch.Tensor
+    block_m: int
+    num_splits: int
+    split_len: int
+
+
+def schedule_blocks(
+    cu_q: torch.Tensor, prefix_lens: torch.Tensor, group: int, *, num_splits: int | None = None
+) -> TritonSchedule:
+    """Cut every request's new tokens into blocks and decide the split-KV factor (host side).
+
+    A block holds BLOCK_M tokens x GROUP heads = at least 16 rows (tl.dot's minimum). Split-KV
+    (flash-decoding): when there are too few blocks to fill the GPU and the prefix is long, each
+    block's prefix is cut into ``num_splits`` slices run by separate programs.
+    """
+    num_new = (cu_q[1:] - cu_q[:-1]).tolist()  # host sync: the launch grid depends on it
+    block_m = max(1, 16 // group) if max(num_new, default=1) <= 16 else max(1, 64 // group)
+    block_m = 1 << (block_m - 1).bit_length()  # a power of two
+    request, start = [], []
+    for b, n in enumerate(num_new):
+        for first in range(0, n, block_m):
+            request.append(b)
+            start.append(first)
+    longest_prefix = int(prefix_lens.max()) if len(prefix_lens) else 0
+    if num_splits is None:
+        # Aim for ~4 waves of 132 SMs (an H100/H200), slices of at least 512 keys.
+        num_splits = max(1, min(math.ceil(528 / max(1, len(request))), math.ceil(longest_prefix / 512), 64))
+    split_len = max(1, math.ceil(longest_prefix / num_splits))
+    device = cu_q.device
+    return TritonSchedule(
+        torch.tensor(request, dtype=torch.int32, device=device),
+        torch.tensor(start, dtype=torch.int32, device=device),
+        block_m,
+        num_splits,
+        split_len,
+    )
+
+
+def _kernel_and_configs():
+    """The autotuned kernel on a GPU; a fixed small BLOCK_N under the interpreter (nothing to tune)."""
+    if interpreting():
+        return _tree_attention_kernel, {"BLOCK_N": 16}
+    return _tree_attention_kernel_tuned, {}
+
+
+def tree_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+    *,
+    sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    q_positions: torch.Tensor | None = None,
+    schedule: TritonSchedule | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Triton kernel behind the module's contract. ``schedule`` may be reused across layers."""
+    if triton is None:
+        raise RuntimeError("backend 'triton' needs the triton package (pip install 'treespec[gpu]')")
+    if not q.is_cuda and not interpreting():
+        raise RuntimeError("the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
+    check_attention_inputs(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension")
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    schedule = schedule or schedule_blocks(cu_q, prefix_lens, group)
+    out = torch.empty_like(q) if out is None else out
+    if num_rows == 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    num_blocks = len(schedule.block_request)
+    split = schedule.num_splits > 1
+    rows = schedule.block_m * group
+    partial_shape = (num_blocks * num_kv_heads * schedule.num_splits * rows,)
+    partial_m = q.new_empty(partial_shape if split else (1,), dtype=torch.float32)
+    partial_l = torch.empty_like(partial_m)
+    partial_out = q.new_empty((partial_shape[0], block_d) if split else (1,), dtype=torch.float32)
+    mask = tree_mask if tree_mask is not None else cu_q  # any int tensor; unread when causal
+    positions = q_positions if q_positions is not None else cu_q
+    kernel, configs = _kernel_and_configs()
+    kernel[(num_blocks, num_kv_heads, schedule.num_splits)](
+        q, k_cache, v_cache, out, cu_q, slots, prefix_lens, mask, positions,
+        schedule.block_request, schedule.block_start, partial_out, partial_m, partial_l,
+        sm_scale, softcap or 1.0, window or 0, schedule.split_len,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        mask.stride(0) if tree_mask is not None else 0,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=schedule.block_m,
+        HAS_TREE=tree_mask is not None, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        SPLIT=split, UPCAST=interpreting(), **configs,
+        # fp32 stays fp32 (no TF32) so that fp32 results match the reference closely.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    if split:
+        _combine_splits(out, schedule, partial_out, partial_m, partial_l, cu_q, group, head_dim)
+    return out
+
+
+def _combine_splits(out, schedule, partial_out, partial_m, partial_l, cu_q, group, head_dim):
+    """Merge split-KV partials: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+    num_blocks, num_kv_heads = len(schedule.block_request), out.shape[1] // group
+    rows = schedule.block_m * group
+    shape = (num_blocks, num_kv_heads, schedule.num_splits, rows)
+    m = partial_m.view(shape)
+    weight = torch.exp2(m - m.amax(2, keepdim=True)).nan_to_num(0.0)  # slices that saw no key: 0
+    num = (weight[..., None] * partial_out.view(*shape, -1)).sum(2)  # [NB, Hkv, R, BLOCK_D]
+    den = (weight * partial_l.view(shape)).sum(2)  # [NB, Hkv, R]
+    merged = (num / den[..., None])[..., :head_dim]
+    # Scatter rows back: row r of a block is token first + r // group, head kv_head * group + r % group.
+    r = torch.arange(rows, device=out.device)
+    token = schedule.block_start[:, None].long() + r // group  # [NB, R]
+    row = cu_q.long()[schedule.block_request.long()][:, None] + token
+    valid = token < (cu_q[1:] - cu_q[:-1]).long()[schedule.block_request.long()][:, None]
+    heads = torch.arange(num_kv_heads, device=out.device)[:, None] * group + r % group  # [Hkv, R]
+    merged = merged.permute(0, 2, 1, 3)  # [NB, R, Hkv, D]
+    row_index = row[:, :, None].expand(-1, -1, num_kv_heads)
+    head_index = heads.t()[None].expand(num_blocks, -1, -1)
+    keep = valid[:, :, None].expand(-1, -1, num_kv_heads)
+    out[row_index[keep], head_index[keep]] = merged[keep].to(out.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch reference (the twin), also the path that runs without a GPU
+# --------------------------------------------------------------------------------------------
 
 BITS_PER_WORD = 32
 
@@ -242,3 +560,44 @@ def check_attention_inputs(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_m
         )
     if window is not None and (q_positions is None or q_positions.shape != (q.shape[0],)):
         raise ValueError("window needs q_positions of shape [T] (each new token's sequence position)")
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """ "auto" -> "triton" on CUDA when triton is installed, else "reference"; forced ones are checked."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton is not None else "reference"
+    if backend == "triton" and (triton is None or (device.type != "cuda" and not interpreting())):
+        raise RuntimeError(
+            "backend='triton' cannot run here: it needs the triton package and CUDA tensors "
+            "(or TRITON_INTERPRET=1 on a CPU)"
+        )
+    return backend
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+    *,
+    sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    q_positions: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Tree attention (see the module contract) on the chosen backend; nothing falls back silently."""
+    kwargs = dict(sm_scale=sm_scale, window=window, softcap=softcap, q_positions=q_positions)
+    if resolve_backend(backend, q.device) == "triton":
+        return tree_attention_triton(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, **kwargs)
+    return tree_attention_ref(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, **kwargs)

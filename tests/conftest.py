@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# Without a GPU the Triton kernel runs through Triton's interpreter; the switch is read when the
+# kernel is decorated, i.e. before treespec.kernels is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from treespec.kernels.tree_attention import build_plan, tree_attention_ref, unpack_tree_mask
 
 
@@ -83,9 +84,9 @@ def make_batch(
     )
 
 
-def check_against_oracle(batch, trees, window=None, softcap=None, atol=1e-5):
+def check_against_oracle(batch, trees, window=None, softcap=None, atol=1e-5, attention=tree_attention_ref):
     sm_scale = batch["q"].shape[-1] ** -0.5
-    out = tree_attention_ref(**batch, sm_scale=sm_scale, window=window, softcap=softcap)
+    out = attention(**batch, sm_scale=sm_scale, window=window, softcap=softcap)
     for b, parents in enumerate(trees):
         start = int(batch["cu_q"][b])
         rows = list(range(start, start + len(parents)))

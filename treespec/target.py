@@ -24,7 +24,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from treespec.cache import KVCache
-from treespec.kernels.tree_attention import AttentionPlan, attend, build_plan
+from treespec.kernels.tree_attention import (
+    AttentionPlan,
+    TritonSchedule,
+    attend,
+    build_plan,
+    resolve_backend,
+    schedule_blocks,
+    tree_attention_triton,
+)
 
 ATTENTION_NAME = "treespec"
 STEP_KWARG = "treespec_step"
@@ -53,6 +61,7 @@ class StepMetadata:
     row_slots: torch.Tensor
     row_pos: torch.Tensor
     single: tuple[int, int] | None = None  # (slot, prefix_len) when the step has one request
+    backend: str = "reference"  # "reference" or "triton", resolved by the Target
     _plans: dict = field(default_factory=dict, repr=False)
 
     def plan(self, window: int | None) -> AttentionPlan:
@@ -67,6 +76,13 @@ class StepMetadata:
                 q_positions=self.q_positions,
             )
         return self._plans[window]
+
+    def schedule(self, group: int) -> TritonSchedule:
+        """The Triton kernel's block schedule for this step, built once per GQA group size."""
+        key = ("triton", group)
+        if key not in self._plans:
+            self._plans[key] = schedule_blocks(self.cu_q, self.prefix_lens, group)
+        return self._plans[key]
 
 
 def _treespec_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -84,14 +100,17 @@ def _treespec_attention(module, query, key, value, attention_mask, scaling=None,
         step.cache.write(layer, step.row_slots, step.row_pos, k, v)
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     softcap = kwargs.get("softcap")  # only models whose attention passes it use it (Gemma 2 does)
-    out = attend(
-        query[0].transpose(0, 1),  # [T, Hq, D]
-        step.cache.keys[layer],
-        step.cache.values[layer],
-        step.plan(window),
-        sm_scale=scaling if scaling is not None else module.head_dim**-0.5,
-        softcap=softcap,
-    )
+    sm_scale = scaling if scaling is not None else module.head_dim**-0.5
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
+    if step.backend == "triton":
+        out = tree_attention_triton(
+            q.contiguous(), k_cache, v_cache, step.cu_q, step.slots, step.prefix_lens, step.tree_mask,
+            sm_scale=sm_scale, window=window, softcap=softcap, q_positions=step.q_positions,
+            schedule=step.schedule(q.shape[1] // k_cache.shape[1]),
+        )  # fmt: skip
+    else:
+        out = attend(q, k_cache, v_cache, step.plan(window), sm_scale=sm_scale, softcap=softcap)
     return out[None], None
 
 
@@ -143,8 +162,11 @@ def _check_causal_lm(model: object) -> None:
 class Target:
     """A wrapped HF causal LM that scores flattened ragged batches of chains and trees."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, *, attention_backend: str = "auto") -> None:
+        """``attention_backend``: "auto" (Triton on CUDA, the PyTorch reference elsewhere),
+        "triton" or "reference"; a forced backend that cannot run here raises at once."""
         _check_causal_lm(model)
+        self.attention_backend = resolve_backend(attention_backend, model.device)
         self.model = model.eval()
         self.model.set_attn_implementation(ATTENTION_NAME)
         config = model.config
@@ -218,10 +240,11 @@ class Target:
             slots=slots,
             prefix_lens=prefix_lens,
             tree_mask=None if tree_mask is None else tree_mask.to(device),
-            q_positions=q_positions,
+            q_positions=q_positions.to(torch.int32),
             row_slots=slots.long()[row_request],
             row_pos=row_prefix + row_index,
             single=(slot_list[0], lengths[0]) if len(slot_list) == 1 else None,
+            backend=self.attention_backend,
         )
         out = self.model(
             input_ids=tokens.to(device)[None],

@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treespec.engine import Engine, EngineStats
+from treespec.proposers.base import Proposer
 from treespec.sampling import SamplingParams
 from treespec.target import Target
 
@@ -23,15 +24,28 @@ class GenerationStats:
     new_tokens: int
     steps: int  # target forwards
     total_s: float  # wall time of the whole call
-    forward_s: float  # of which inside target forwards
+    propose_s: float  # of which: proposing
+    forward_s: float  #   scoring (target forwards)
+    verify_s: float  #   verifying (or sampling, without a proposer)
+    commit_s: float  #   KV cache compaction
+    accepted_lengths: list[list[int]]  # per request (input order): tokens committed per decoding step
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per decoding step, bonus included (1.0 without speculation)."""
+        lengths = [n for per_request in self.accepted_lengths for n in per_request]
+        return sum(lengths) / len(lengths) if lengths else 0.0
+
     @classmethod
-    def from_engine(cls, num_requests: int, stats: EngineStats, total_s: float) -> GenerationStats:
-        return cls(num_requests, stats.prompt_tokens, stats.new_tokens, stats.steps, total_s, stats.forward_s)
+    def from_engine(cls, ids: list[int], stats: EngineStats, total_s: float) -> GenerationStats:
+        return cls(
+            len(ids), stats.prompt_tokens, stats.new_tokens, stats.steps, total_s, stats.propose_s,
+            stats.forward_s, stats.verify_s, stats.commit_s, [stats.accepted_lengths.get(i, []) for i in ids],
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -105,7 +119,7 @@ def generate(
     target: Target | PreTrainedModel,
     input_ids,
     *,
-    proposer: None = None,
+    proposer: Proposer | None = None,
     max_new_tokens: int = 32,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -121,11 +135,9 @@ def generate(
     ``input_ids`` is a list of token lists, or a padded 2-D tensor with ``attention_mask``.
     ``eos_token_id=None`` takes the model's ``generation_config.eos_token_id`` (as HF does); pass
     ``[]`` to never stop early. ``temperature=0`` is greedy. ``streamer`` follows HF's protocol
-    (``put`` then ``end``) and needs a single prompt. ``proposer`` must be None for now:
-    autoregressive decoding.
+    (``put`` then ``end``) and needs a single prompt. ``proposer`` drafts token trees
+    (``treespec.proposers``); None decodes autoregressively. The output is the target's either way.
     """
-    if proposer is not None:
-        raise TypeError(f"proposer must be None (autoregressive decoding), got {type(proposer).__name__}")
     target = target if isinstance(target, Target) else Target(target)
     prompts = as_prompts(input_ids, attention_mask)
     if streamer is not None and len(prompts) != 1:
@@ -146,6 +158,7 @@ def generate(
         max_len=longest,
         prefill_chunk_size=prefill_chunk_size,
         generator=generator,
+        proposer=proposer,
     )
     ids = [
         engine.add_request(p, max_new_tokens=max_new_tokens, eos_token_id=eos, sampling=sampling)
@@ -161,5 +174,5 @@ def generate(
         streamer.end()
     sequences = [engine.pop(i).output for i in ids]
     return GenerationOutput(
-        sequences, GenerationStats.from_engine(len(prompts), engine.stats, time.perf_counter() - start)
+        sequences, GenerationStats.from_engine(ids, engine.stats, time.perf_counter() - start)
     )

@@ -17,8 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treespec.proposers.base import ProposalRequest, Proposer
 from treespec.sampling import SamplingParams, next_tokens
 from treespec.target import Target
+from treespec.tree import BITS_PER_WORD, TokenTree
+from treespec.verify import verify
 
 DEFAULT_MAX_LEN = 2048
 
@@ -63,8 +66,19 @@ class EngineStats:
     steps: int = 0
     prompt_tokens: int = 0
     new_tokens: int = 0
-    forward_s: float = 0.0  # time inside target forwards (includes the host syncs they end with)
-    step_s: float = 0.0  # time inside step(): forward + sampling + bookkeeping
+    propose_s: float = 0.0  # time the proposer took
+    forward_s: float = 0.0  # scoring: target forwards (includes the host syncs they end with)
+    verify_s: float = 0.0  # verification (or plain sampling without a proposer)
+    commit_s: float = 0.0  # KV cache compaction of the accepted paths
+    step_s: float = 0.0  # time inside step(), all stages and bookkeeping
+    # Per request id: tokens committed at each decoding step (accepted drafted tokens + the bonus).
+    accepted_lengths: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per decoding step, the bonus included (EAGLE's and vLLM's tau)."""
+        lengths = [n for per_request in self.accepted_lengths.values() for n in per_request]
+        return sum(lengths) / len(lengths) if lengths else 0.0
 
 
 class Engine:
@@ -78,6 +92,7 @@ class Engine:
         max_len: int | None = None,
         prefill_chunk_size: int | None = None,
         generator: torch.Generator | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         if prefill_chunk_size is not None and (
             not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1
@@ -87,8 +102,22 @@ class Engine:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if max_len is None:
             max_len = min(DEFAULT_MAX_LEN, target.max_context or DEFAULT_MAX_LEN)
+        if proposer is not None and not isinstance(proposer, Proposer):
+            raise TypeError(
+                f"proposer must implement treespec.proposers.Proposer, got {type(proposer).__name__}"
+            )
+        draft_vocab = getattr(proposer, "vocab_size", None)
+        if draft_vocab is not None and draft_vocab != target.vocab_size:
+            raise ValueError(
+                f"the draft's vocabulary ({draft_vocab} tokens) differs from the target's ({target.vocab_size}); "
+                "a draft model must share the target's tokenizer"
+            )
         self.target = target
-        self.cache = target.new_cache(max_batch_size, max_len)
+        self.proposer = proposer
+        # A tree of N nodes is written past the committed prefix before verification: room for it.
+        self.max_tree_nodes = proposer.max_tree_nodes if proposer is not None else 1
+        self.max_len = max_len
+        self.cache = target.new_cache(max_batch_size, max_len + self.max_tree_nodes)
         self.prefill_chunk_size = prefill_chunk_size
         self.generator = generator
         self.stats = EngineStats()
@@ -110,10 +139,10 @@ class Engine:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         # The last sampled token is never fed back, so the cache holds prompt + max_new - 1 tokens.
-        if len(prompt) + max_new_tokens - 1 > self.cache.max_len:
+        if len(prompt) + max_new_tokens - 1 > self.max_len:
             raise ValueError(
                 f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds the cache length "
-                f"{self.cache.max_len} (model context {self.target.max_context})"
+                f"{self.max_len} (model context {self.target.max_context})"
             )
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         request = Request(self._next_id, prompt, max_new_tokens, frozenset(eos), sampling or SamplingParams())
@@ -150,32 +179,45 @@ class Engine:
         return self._requests.pop(request_id)
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward over all running requests; return what each one produced."""
+        """One round: propose trees, score everything in one forward, verify, commit, emit."""
         start = time.perf_counter()
         self._admit()
         if not self._running:
             return []
-        tokens, cu_q, logit_requests = self._build_step()
-        forward_start = time.perf_counter()
+        decoding = [r for r in self._running if not r.prefilling]
+        trees = self._propose(decoding)
+        proposed = time.perf_counter()
+        batch = self._build_step(trees)
         out = self.target.forward(
-            torch.tensor(tokens),
+            batch.tokens,
             self.cache,
-            torch.tensor(cu_q),
+            batch.cu_q,
             torch.tensor([r.slot for r in self._running]),
-            logit_rows=torch.tensor([cu_q[i + 1] - 1 for i in logit_requests], dtype=torch.long),
+            tree_mask=batch.tree_mask,
+            depth=batch.depth,
+            logit_rows=batch.logit_rows,
             return_hidden=False,
         )
-        self.stats.forward_s += time.perf_counter() - forward_start
-        # A chain step accepts every token it carried.
-        self.cache.commit(
-            [r.slot for r in self._running], [range(cu_q[i + 1] - cu_q[i]) for i in range(len(cu_q) - 1)]
-        )
-        for i, request in enumerate(self._running):
+        scored = time.perf_counter()
+        accepted, committed = self._verify(decoding, trees, out.logits[batch.num_prefill_logits :])
+        verified = time.perf_counter()
+        keep = batch.prefill_accepted | {
+            r.request_id: nodes for r, nodes in zip(decoding, accepted, strict=True)
+        }
+        self.cache.commit([r.slot for r in self._running], [keep[r.request_id] for r in self._running])
+        committed_at = time.perf_counter()
+        finishing_prefill = [r for r in self._running if r.prefilling and batch.finishes_prefill(r)]
+        for request in self._running:
             if request.prefilling:
-                request.num_prefilled += cu_q[i + 1] - cu_q[i]
-        outputs = self._emit([self._running[i] for i in logit_requests], out.logits)
+                request.num_prefilled += batch.chunk_len[request.request_id]
+        first_tokens = self._first_tokens(finishing_prefill, out.logits[: batch.num_prefill_logits])
+        outputs = self._emit(finishing_prefill, first_tokens) + self._emit(decoding, committed, decode=True)
         self._retire()
         self.stats.steps += 1
+        self.stats.propose_s += proposed - start
+        self.stats.forward_s += scored - proposed
+        self.stats.verify_s += verified - scored
+        self.stats.commit_s += committed_at - verified
         self.stats.step_s += time.perf_counter() - start
         return outputs
 
@@ -186,44 +228,93 @@ class Engine:
             self._running.append(request)
             self.stats.prompt_tokens += len(request.prompt)
 
-    def _build_step(self) -> tuple[list[int], list[int], list[int]]:
-        """Flatten the running requests' new tokens. Returns tokens, cu_q, and which requests need logits."""
-        tokens: list[int] = []
-        cu_q = [0]
-        logit_requests = []
-        for i, request in enumerate(self._running):
-            if request.prefilling:
-                chunk = self.prefill_chunk_size or len(request.prompt)
-                new = request.prompt[request.num_prefilled : request.num_prefilled + chunk]
-                if request.num_prefilled + len(new) == len(request.prompt):
-                    logit_requests.append(i)  # the prompt's last row predicts the first new token
-            else:
-                new = [request.output[-1]]  # the root: last sampled token, not yet cached
-                logit_requests.append(i)
-            tokens += new
-            cu_q.append(len(tokens))
-        return tokens, cu_q, logit_requests
-
-    def _emit(self, requests: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
-        """Sample one token for each request that has logits; apply EOS and length limits."""
-        if all(r.sampling.greedy for r in requests):
-            chosen = logits.argmax(-1).tolist()  # host sync: one per step
-        else:
-            chosen = [
-                int(next_tokens(logits[i : i + 1], r.sampling, self.generator))
-                for i, r in enumerate(requests)
-            ]
-        outputs = []
-        for request, token in zip(requests, chosen, strict=True):
-            request.output.append(token)
-            self.stats.new_tokens += 1
-            if token in request.eos_token_ids:
-                request.finish_reason = "eos"
-            elif len(request.output) >= request.max_new_tokens:
-                request.finish_reason = "length"
-            outputs.append(
-                RequestOutput(request.request_id, [token], request.finished, request.finish_reason)
+    def _propose(self, decoding: list[Request]) -> TokenTree | None:
+        """One tree per decoding request (validated), or None without a proposer (a root each)."""
+        if not decoding:
+            return None
+        if self.proposer is None:
+            return TokenTree.from_lists([[r.output[-1]] for r in decoding])
+        asks = [
+            ProposalRequest(
+                r.request_id, r.prompt + r.output, len(r.prompt), r.sampling, r.max_new_tokens - len(r.output)
             )
+            for r in decoding
+        ]
+        tree = self.proposer.propose(asks)
+        check_proposal(tree, asks, self.target.vocab_size, self.max_tree_nodes)
+        return tree
+
+    def _build_step(self, trees: TokenTree | None) -> StepBatch:
+        """Flatten prefill chunks (chains) and decoding trees into one ragged batch.
+
+        Rows that need logits: the last row of a final prefill chunk (it predicts the first new
+        token), then every node of every tree (the verifier reads them all).
+        """
+        chunks: dict[int, list[int]] = {}
+        for request in self._running:
+            if request.prefilling:
+                size = self.prefill_chunk_size or len(request.prompt)
+                chunks[request.request_id] = request.prompt[
+                    request.num_prefilled : request.num_prefilled + size
+                ]
+        return StepBatch.build(self._running, chunks, trees)
+
+    def _verify(
+        self, decoding: list[Request], trees: TokenTree | None, logits: torch.Tensor
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """Accepted node indices (for the cache) and committed tokens, per decoding request."""
+        if trees is None:
+            return [], []
+        if self.proposer is None:  # plain decoding: sample the next token the way HF does
+            tokens = self._first_tokens(decoding, logits)
+            return [[0] for _ in decoding], tokens
+        accepted: list[list[int]] = [[] for _ in decoding]
+        committed: list[list[int]] = [[] for _ in decoding]
+        for params, members in _group_by_sampling(decoding).items():
+            sub_tree, sub_logits = _select(trees, logits, members)
+            mode = (
+                "greedy"
+                if params.greedy
+                else ("sampled" if self.proposer.sampled_children else "deterministic")
+            )
+            result = verify(sub_tree, sub_logits, params, mode=mode, generator=self.generator)
+            for k, (nodes, tokens) in enumerate(
+                zip(result.accepted_lists(), result.committed_tokens(sub_tree), strict=True)
+            ):
+                accepted[members[k]] = nodes
+                committed[members[k]] = tokens
+        return accepted, committed
+
+    def _first_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[list[int]]:
+        """One token per request from its logits row, greedy or sampled as HF samples."""
+        if all(r.sampling.greedy for r in requests):
+            return [[t] for t in logits.argmax(-1).tolist()]  # host sync: one per step
+        return [
+            [int(next_tokens(logits[i : i + 1], r.sampling, self.generator))] for i, r in enumerate(requests)
+        ]
+
+    def _emit(
+        self, requests: list[Request], produced: list[list[int]], decode: bool = False
+    ) -> list[RequestOutput]:
+        """Append each request's committed tokens, cutting at EOS and max_new_tokens."""
+        outputs = []
+        for request, tokens in zip(requests, produced, strict=True):
+            kept = []
+            for token in tokens:
+                kept.append(token)
+                if token in request.eos_token_ids:
+                    request.finish_reason = "eos"
+                elif len(request.output) + len(kept) >= request.max_new_tokens:
+                    request.finish_reason = "length"
+                if request.finished:
+                    break
+            request.output.extend(kept)
+            self.stats.new_tokens += len(kept)
+            if decode:
+                self.stats.accepted_lengths.setdefault(request.request_id, []).append(len(tokens))
+            if self.proposer is not None:
+                self.proposer.observe(request.request_id, kept)
+            outputs.append(RequestOutput(request.request_id, kept, request.finished, request.finish_reason))
         return outputs
 
     def _retire(self) -> None:
@@ -231,4 +322,143 @@ class Engine:
             if request.finished:
                 self.cache.free(request.slot)
                 request.slot = -1
+                if self.proposer is not None:
+                    self.proposer.release(request.request_id)
         self._running = [r for r in self._running if not r.finished]
+
+
+@dataclass
+class StepBatch:
+    """One step's flattened rows. Requests appear in running order; logits rows are ordered
+    prefill-final rows first, then all tree nodes (so the verifier's logits are one slice).
+
+    Shapes (T rows):
+        tokens [T], cu_q [B+1], depth [T], tree_mask [T, W] int32 or None (all chains: causal),
+        logit_rows [R]
+    """
+
+    tokens: torch.Tensor
+    cu_q: torch.Tensor
+    depth: torch.Tensor
+    tree_mask: torch.Tensor | None
+    logit_rows: torch.Tensor
+    num_prefill_logits: int
+    chunk_len: dict[int, int]  # prefill tokens carried per request id
+    prefill_accepted: dict[int, range]  # per request id, what the cache keeps of its chunk: all of it
+    final_chunk: set[int]  # request ids whose chunk ends their prompt
+
+    def finishes_prefill(self, request: Request) -> bool:
+        return request.request_id in self.final_chunk
+
+    @classmethod
+    def build(
+        cls, running: list[Request], chunks: dict[int, list[int]], trees: TokenTree | None
+    ) -> StepBatch:
+        tokens, depth, cu_q = [], [], [0]
+        masks: list[torch.Tensor] = []
+        prefill_rows, tree_rows, final, accepted = [], [], set(), {}
+        tree_sizes = trees.sizes() if trees is not None else []
+        tree_tokens = trees.tokens.tolist() if trees is not None else []
+        tree_depth = trees.depth.tolist() if trees is not None else []
+        node = 0
+        b = 0
+        for request in running:
+            start = len(tokens)
+            if request.request_id in chunks:
+                chunk = chunks[request.request_id]
+                tokens += chunk
+                depth += range(len(chunk))
+                masks.append(chain_mask(len(chunk)))
+                accepted[request.request_id] = range(len(chunk))
+                if request.num_prefilled + len(chunk) == len(request.prompt):
+                    final.add(request.request_id)
+                    prefill_rows.append(start + len(chunk) - 1)
+            else:
+                size = tree_sizes[b]
+                tokens += tree_tokens[node : node + size]
+                depth += tree_depth[node : node + size]
+                masks.append(trees.tree_mask[node : node + size])
+                tree_rows += range(start, start + size)
+                node += size
+                b += 1
+            cu_q.append(len(tokens))
+        has_tree = trees is not None and max(tree_sizes, default=1) > 1
+        mask = None
+        if has_tree:
+            width = max(m.shape[1] for m in masks)
+            mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+        return cls(
+            torch.tensor(tokens),
+            torch.tensor(cu_q),
+            torch.tensor(depth),
+            mask,
+            torch.tensor(prefill_rows + tree_rows, dtype=torch.long),
+            len(prefill_rows),
+            {r: len(c) for r, c in chunks.items()},
+            accepted,
+            final,
+        )
+
+
+def chain_mask(length: int) -> torch.Tensor:
+    """[length, ceil(length / 32)] int32 ancestor bitmask of a chain: row i sees 0..i."""
+    words = max(1, -(-length // BITS_PER_WORD))
+    row = torch.arange(length)[:, None]
+    first_bit = torch.arange(words)[None, :] * BITS_PER_WORD
+    count = (row - first_bit + 1).clamp(0, BITS_PER_WORD)  # bits set in each word
+    value = (torch.ones_like(count) << count) - 1  # int64; 2^32 - 1 for a full word
+    return torch.where(value >= 2**31, value - 2**32, value).to(torch.int32)
+
+
+def check_proposal(
+    tree: TokenTree, asks: list[ProposalRequest], vocab_size: int, max_nodes: int | None
+) -> None:
+    """A proposer's tree must match the requests: clear errors naming the request and node."""
+    if not isinstance(tree, TokenTree):
+        raise TypeError(f"proposer returned {type(tree).__name__}, expected a TokenTree")
+    if tree.num_requests != len(asks):
+        raise ValueError(f"proposer returned {tree.num_requests} trees for {len(asks)} requests")
+    sizes = tree.sizes()
+    starts = tree.cu_nodes[:-1].tolist()
+    tokens = tree.tokens.tolist()
+    for b, ask in enumerate(asks):
+        if tokens[starts[b]] != ask.tokens[-1]:
+            raise ValueError(
+                f"proposer's tree for request {ask.request_id}: node 0 is token {tokens[starts[b]]}, "
+                f"but the root must be the last committed token {ask.tokens[-1]}"
+            )
+        if max_nodes is not None and sizes[b] > max_nodes:
+            raise ValueError(
+                f"proposer's tree for request {ask.request_id} has {sizes[b]} nodes > its max_tree_nodes={max_nodes}"
+            )
+        bad = [i for i in range(sizes[b]) if not 0 <= tokens[starts[b] + i] < vocab_size]
+        if bad:
+            raise ValueError(
+                f"proposer's tree for request {ask.request_id}: node {bad[0]} has a token outside the vocabulary"
+            )
+    try:
+        tree.validate()
+    except ValueError as err:
+        raise ValueError(f"proposer returned a malformed tree: {err}") from None
+
+
+def _group_by_sampling(requests: list[Request]) -> dict[SamplingParams, list[int]]:
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, request in enumerate(requests):
+        groups.setdefault(request.sampling, []).append(i)
+    return groups
+
+
+def _select(tree: TokenTree, logits: torch.Tensor, members: list[int]) -> tuple[TokenTree, torch.Tensor]:
+    """The sub-batch of trees (and their logits rows) of the given requests."""
+    if members == list(range(tree.num_requests)):
+        return tree, logits
+    starts, ends = tree.cu_nodes[:-1].tolist(), tree.cu_nodes[1:].tolist()
+    rows = torch.cat([torch.arange(starts[m], ends[m]) for m in members])
+    sizes = torch.tensor([ends[m] - starts[m] for m in members])
+    sub = TokenTree(
+        tree.tokens[rows], tree.parents[rows], tree.depth[rows],
+        torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]), tree.tree_mask[rows],
+        None if tree.draft_probs is None else tree.draft_probs[rows],
+    )  # fmt: skip
+    return sub, logits[rows]

@@ -186,11 +186,9 @@ class Target:
         return self.model.dtype
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """A cache shaped for this model."""
-        if self.max_context is not None and max_len > self.max_context:
-            raise ValueError(
-                f"cache length {max_len} exceeds the model's context of {self.max_context} tokens"
-            )
+        """A cache shaped for this model. It may hold a little more than the model's context: a
+        tree's nodes sit past the committed prefix until verification keeps one path (callers
+        check prompt + max_new_tokens against the context)."""
         return KVCache(
             self.num_layers,
             num_slots,

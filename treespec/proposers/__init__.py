@@ -1,0 +1,7 @@
+"""Proposers: the drafters behind one small protocol (see base.py)."""
+
+from treespec.proposers.base import ProposalRequest, Proposer
+from treespec.proposers.draft import DraftModelProposer
+from treespec.proposers.ngram import NgramProposer
+
+__all__ = ["DraftModelProposer", "NgramProposer", "ProposalRequest", "Proposer"]

@@ -21,6 +21,7 @@ _EXPORTS = {
     "SamplingParams": "treespec.sampling",
     "Target": "treespec.target",
     "load": "treespec.models",
+    "SpeculativeCausalLM": "treespec.wrapper",
 }
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "KVCache",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeCausalLM",
     "Target",
     "generate",
     "load",
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from treespec.models import load
     from treespec.sampling import SamplingParams
     from treespec.target import Target
+    from treespec.wrapper import SpeculativeCausalLM
 
 
 def __getattr__(name: str):

@@ -79,3 +79,16 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 @pytest.fixture(params=list(FAMILIES))
 def family(request) -> str:
     return request.param
+
+
+def oracle_table(prompts: list[list[int]], max_new_tokens: int):
+    """A getter family -> (model, HF greedy continuations of prompts), each family built once."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            model = build(family)
+            cache[family] = (model, [hf_greedy(model, p, max_new_tokens) for p in prompts])
+        return cache[family]
+
+    return get

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, build, hf_greedy
+from conftest import VOCAB, oracle_table
 
 import treespec
 from treespec import Engine, SamplingParams, Target
@@ -16,15 +16,7 @@ NEW = 24
 @pytest.fixture(scope="module")
 def oracles():
     """HF greedy continuations of PROMPTS, per family, computed once."""
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            model = build(family)
-            cache[family] = (model, [hf_greedy(model, p, NEW) for p in PROMPTS])
-        return cache[family]
-
-    return get
+    return oracle_table(PROMPTS, NEW)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, None])

@@ -290,3 +290,45 @@ def test_bad_requests_raise():
         NgramProposer().propose([])
     with pytest.raises(ValueError, match="no tokens"):
         NgramProposer().propose([request([])])
+
+
+# --------------------------------------------------------------------------- adaptive depth
+
+
+def drafted_depth(tree) -> int:
+    return int(tree.depth.max())
+
+
+def test_token_cost_zero_always_drafts_full_depth():
+    proposer = NgramProposer(max_depth=4, tree=False)
+    context = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    for _ in range(3):
+        assert drafted_depth(proposer.propose([request(context)])) == 4
+        proposer.observe(0, [9])  # rejected at once: no effect without a token cost
+
+
+def test_rejections_shrink_the_depth_to_nothing_then_it_probes_again():
+    proposer = NgramProposer(max_depth=6, tree=False, token_cost=0.3)
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    depths = []
+    for _ in range(40):
+        tree = proposer.propose([request(context)])
+        depths.append(drafted_depth(tree))
+        proposer.observe(0, [99])  # only the bonus: every drafted token rejected
+    assert depths[0] >= 1  # the prior (1/2) is worth a probe at this cost
+    assert 0 in depths  # after rejections, drafting stops
+    assert depths.index(0) < 5
+    later = depths[depths.index(0) :]
+    assert any(d >= 1 for d in later)  # forgetting brings a probe back
+
+
+def test_acceptances_grow_the_depth():
+    proposer = NgramProposer(max_depth=6, tree=False, token_cost=0.3)
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    first = drafted_depth(proposer.propose([request(context)]))
+    for _ in range(10):
+        depth = drafted_depth(proposer.propose([request(context)]))
+        proposer.observe(0, list(range(depth + 1)))  # everything accepted, plus the bonus
+    assert drafted_depth(proposer.propose([request(context)])) > first
+    with pytest.raises(ValueError, match="token_cost"):
+        NgramProposer(token_cost=-1)

@@ -33,3 +33,32 @@ def test_smollm2_greedy_equals_hf_generate(smollm2):
         assert got.sequences == expected, f"chunk {chunk}"
     text = tokenizer.decode(expected[2])
     assert len(text.strip()) > 20  # a real model writes real text
+
+
+def test_smollm2_speculative_greedy_equals_hf_generate(smollm2):
+    """Every proposer form on the real model, fp32 greedy: HF's tokens exactly."""
+    from treespec.proposers import DraftModelProposer, NgramProposer
+    from treespec.tree import chain
+
+    model, tokenizer = smollm2
+    texts = [
+        "Repeat after me three times: the quick brown fox jumps over the lazy dog.",
+        "List the numbers from one to twenty, separated by commas.",
+    ]
+    prompts = encode_prompts(tokenizer, texts)
+    with torch.no_grad():
+        expected = [
+            model.generate(torch.tensor([p]), max_new_tokens=48, do_sample=False, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+    for proposer in (NgramProposer(), NgramProposer(tree=False), NgramProposer(token_cost=0.3)):
+        out = treespec.generate(model, prompts, max_new_tokens=48, proposer=proposer, prefill_chunk_size=32)
+        assert out.sequences == expected
+        assert out.stats.tau > 1.0
+    # The target as its own draft (a chain of 3): every step commits 4 tokens.
+    out = treespec.generate(
+        model, prompts[:1], max_new_tokens=49, proposer=DraftModelProposer(model, shape=chain(3))
+    )
+    assert out.sequences == [expected[0] + out.sequences[0][48:]] and out.stats.tau == 4.0

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import build, hf_greedy
+from conftest import build, oracle_table
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import treespec
@@ -28,22 +28,17 @@ def proposers(family: str):
         "draft-chain": DraftModelProposer(draft, shape=chain(3)),
         "draft-tree": DraftModelProposer(draft, shape=full_tree(2, 2)),
         "draft-sampled-tree": DraftModelProposer(draft, shape=full_tree(2, 2), sample=True),
+        "draft-dynamic": DraftModelProposer(draft, dynamic=(2, 3, 6)),
         "ngram-trie": NgramProposer(max_depth=4),
         "ngram-chain": NgramProposer(max_depth=4, tree=False),
+        "ngram-adaptive": NgramProposer(max_depth=4, token_cost=0.3),
     }
 
 
 @pytest.fixture(scope="module")
 def expected():
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            model = build(family)
-            cache[family] = (model, [hf_greedy(model, p, NEW) for p in PROMPTS])
-        return cache[family]
-
-    return get
+    """HF greedy continuations of PROMPTS, per family, computed once."""
+    return oracle_table(PROMPTS, NEW)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
@@ -68,6 +63,18 @@ def test_target_as_its_own_draft_accepts_the_deepest_path(shape, expected):
     depth = shape.max_depth
     assert out.stats.tau == depth + 1  # every step commits the whole deepest path + the bonus
     assert all(set(lengths) == {depth + 1} for lengths in out.stats.accepted_lengths)
+
+
+def test_target_as_its_own_draft_in_a_dynamic_tree(expected):
+    model, want = expected("llama")
+    proposer = DraftModelProposer(model, dynamic=(3, 4, 12))
+    out = treespec.generate(model, PROMPTS, max_new_tokens=NEW, proposer=proposer)
+    assert out.sequences == want
+    assert out.stats.tau > 2.5  # the draft agrees with itself: most of the depth is accepted
+    with pytest.raises(ValueError, match="cannot be combined with sample"):
+        DraftModelProposer(model, dynamic=(2, 2, 3), sample=True)
+    with pytest.raises(ValueError, match="num_nodes"):
+        DraftModelProposer(model, dynamic=(2, 2, 9))
 
 
 def test_dynamic_stats_and_stage_times(expected):

@@ -67,7 +67,12 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 def run_hf_generate(model, prompts: list[list[int]], new: int, pad_id: int) -> list[list[int]]:
     ids, mask = left_pad(prompts, pad_id)
     out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad_id
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=pad_id,
+        eos_token_id=None,  # never stop, and (unlike min_new_tokens) never suppress EOS either
     )
     return out[:, ids.shape[1] :].tolist()
 

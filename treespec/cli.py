@@ -116,11 +116,38 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per method (median reported)")
     bench.add_argument("--warmup", type=int, default=1)
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    bench.add_argument("--out", default="bench_results/bench.json", help="JSON report path")
+    bench.add_argument("--out", default=None, help="JSON report path (default bench_results/<mode>.json)")
+    bench.add_argument(
+        "--proposer", choices=["none", "ngram"], default="none",
+        help="none: autoregressive treespec vs HF; ngram: n-gram chain/trie vs HF generate and HF prompt lookup",
+    )  # fmt: skip
+    bench.add_argument(
+        "--prompts", help="with --proposer ngram: JSONL with 'category' and 'turns' (Spec-Bench)"
+    )
+    bench.add_argument(
+        "--per-category", type=int, default=2, help="with --proposer ngram: prompts per category"
+    )
+    bench.add_argument("--draft-tokens", type=int, default=8, help="with --proposer ngram: draft depth K")
+    bench.add_argument(
+        "--token-cost", type=float, default=0.3,
+        help="with --proposer ngram: NgramProposer's relative cost of one more verified token (0 = fixed depth)",
+    )  # fmt: skip
     bench.set_defaults(handler=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.proposer == "ngram":
+        from treespec.bench_spec import SpecBenchConfig, run_spec
+
+        if not args.prompts:
+            raise ValueError("--proposer ngram needs --prompts FILE.jsonl (Spec-Bench layout)")
+        dtype = args.dtypes[0] if args.dtypes else "bf16"
+        spec = SpecBenchConfig(
+            prompts=args.prompts, model=args.model, dtype=dtype, per_category=args.per_category,
+            max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens, token_cost=args.token_cost,
+        )  # fmt: skip
+        run_spec(spec, out_path=args.out or "bench_results/ngram.json")
+        return EXIT_OK
     from treespec.bench import BenchConfig, run
 
     config = BenchConfig(
@@ -132,7 +159,7 @@ def _bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         threads=args.threads,
     )
-    run(config, out_path=args.out)
+    run(config, out_path=args.out or "bench_results/bench.json")
     return EXIT_OK
 
 

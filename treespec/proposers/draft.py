@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from treespec.proposers.base import ProposalRequest
 from treespec.sampling import logits_to_probs
 from treespec.target import Target
-from treespec.tree import TokenTree, TreeShape, chain, words_to_tensor
+from treespec.tree import TokenTree, TreeShape, build_dynamic_tree, chain, words_to_tensor
 
 
 class DraftModelProposer:
@@ -44,20 +44,43 @@ class DraftModelProposer:
         max_len: int | None = None,
         attention_backend: str = "auto",
         generator: torch.Generator | None = None,
+        dynamic: tuple[int, int, int] | None = None,
     ) -> None:
+        """``dynamic=(top_k, depth, num_nodes)`` grows an EAGLE-2 dynamic tree over the draft's
+        cumulative log-probabilities (``tree.build_dynamic_tree``) instead of ``shape``; its
+        children are top-k, so it cannot be combined with ``sample``."""
+        if dynamic is not None and sample:
+            raise ValueError("dynamic trees keep top-k children: they cannot be combined with sample=True")
         self.draft = Target(draft_model, attention_backend=attention_backend)
         self.shape = shape or chain(4)
+        self.dynamic = dynamic
+        if dynamic is not None:
+            top_k, depth, num_nodes = dynamic
+            if not (top_k >= 1 and depth >= 1 and 1 <= num_nodes <= top_k + (depth - 1) * top_k * top_k):
+                raise ValueError(
+                    f"dynamic=(top_k, depth, num_nodes) needs num_nodes <= top_k + (depth-1) top_k^2, got {dynamic}"
+                )
         self.sampled_children = sample
-        self.max_tree_nodes = self.shape.num_nodes
+        self.max_tree_nodes = dynamic[2] + 1 if dynamic is not None else self.shape.num_nodes
         self.vocab_size = self.draft.vocab_size
         if target_model is not None:
             check_same_vocabulary(target_model, draft_model)
         max_len = max_len or min(4096, self.draft.max_context or 4096)  # context tokens per request
-        self.cache = self.draft.new_cache(max_batch_size, max_len + self.shape.num_nodes)
+        # The draft scores at most all drafted nodes at once (dynamic: every node of the pool's
+        # ancestor forest), written past the cached context.
+        self.cache = self.draft.new_cache(max_batch_size, max_len + self._max_forest())
         self.generator = generator
         self._slot: dict[int, int] = {}  # request id -> draft cache slot
 
+    def _max_forest(self) -> int:
+        if self.dynamic is None:
+            return self.shape.num_nodes
+        top_k, depth, _ = self.dynamic
+        return 1 + top_k + (depth - 1) * top_k * top_k
+
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
+        if self.dynamic is not None:
+            return self._propose_dynamic(requests)
         root_logits = self._catch_up(requests)  # [B, V]
         shapes = [_truncate(self.shape, max(0, r.max_new - 1)) for r in requests]
         tokens = [[r.tokens[-1]] for r in requests]
@@ -79,6 +102,61 @@ class DraftModelProposer:
                 break  # no request grows deeper
             level_logits = self._score_level(requests, tokens, shapes, depth)
         return self._tree(requests, tokens, shapes, probs)
+
+    def _propose_dynamic(self, requests: list[ProposalRequest]) -> TokenTree:
+        """EAGLE-2 growth driven by the draft: ``expand`` scores the frontier's ancestor forest."""
+        top_k, depth, num_nodes = self.dynamic
+        depth = max(1, min(depth, min(r.max_new for r in requests) - 1))
+        num_nodes = min(num_nodes, top_k + (depth - 1) * top_k * top_k)
+        root_logprobs = torch.log_softmax(self._catch_up(requests).float(), -1)  # [B, V]
+        roots = torch.tensor([r.tokens[-1] for r in requests])
+        # The drafted pool per request, in the builder's id order: id 0 the root, then children.
+        pool_tokens = [
+            [r.tokens[-1]] + root_logprobs[b].topk(top_k).indices.tolist() for b, r in enumerate(requests)
+        ]
+        pool_parents = [[-1] + [0] * top_k for _ in requests]
+
+        def expand(step: int, frontier_tokens: torch.Tensor, frontier_ids: torch.Tensor) -> torch.Tensor:
+            logits = self._score_forest(requests, pool_tokens, pool_parents, frontier_ids.tolist())
+            logprobs = torch.log_softmax(logits.float(), -1)  # [B, K, V]
+            children = logprobs.topk(top_k, dim=-1).indices.tolist()  # what the builder will pick
+            for b in range(len(requests)):
+                for i, node in enumerate(frontier_ids[b].tolist()):
+                    pool_tokens[b] += children[b][i]
+                    pool_parents[b] += [node] * top_k
+            return logprobs
+
+        return build_dynamic_tree(roots, root_logprobs, expand, top_k=top_k, depth=depth, num_nodes=num_nodes)
+
+    def _score_forest(self, requests, pool_tokens, pool_parents, frontier_ids) -> torch.Tensor:
+        """Draft logits at each frontier node [B, K, V]: its ancestors (below the cached root)
+        and itself go through the draft as a forest, in id order (parents before children)."""
+        forests, parents, depths, cu = [], [], [], [0]
+        for b in range(len(requests)):
+            keep: set[int] = set()
+            for node in frontier_ids[b]:
+                while node > 0 and node not in keep:
+                    keep.add(node)
+                    node = pool_parents[b][node]
+            order = sorted(keep)
+            position = {node: i for i, node in enumerate(order)}
+            forests.append(order)
+            parents.append([position.get(pool_parents[b][n], -1) for n in order])
+            depth_of: dict[int, int] = {}
+            for n in order:
+                depth_of[n] = 0 if pool_parents[b][n] == 0 else depth_of[pool_parents[b][n]] + 1
+            depths.append([depth_of[n] for n in order])
+            cu.append(cu[-1] + len(order))
+        width = max(1, -(-max(len(f) for f in forests) // 32))
+        slots = [self._slot[r.request_id] for r in requests]
+        out = self.draft.forward(
+            torch.tensor([pool_tokens[b][n] for b, f in enumerate(forests) for n in f], dtype=torch.long),
+            self.cache, torch.tensor(cu), torch.tensor(slots),
+            tree_mask=torch.cat([_forest_mask(p, width) for p in parents]),
+            depth=torch.tensor([d for ds in depths for d in ds], dtype=torch.long), return_hidden=False,
+        )  # fmt: skip
+        rows = [[cu[b] + forests[b].index(node) for node in frontier_ids[b]] for b in range(len(requests))]
+        return out.logits[torch.tensor(rows)]  # [B, K, V]
 
     def observe(self, request_id: int, committed: list[int]) -> None:
         """Nothing to do: the next catch-up feeds the committed tokens."""

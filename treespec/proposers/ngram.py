@@ -116,7 +116,13 @@ class NgramProposer:
         max_nodes: int = 32,
         max_matches: int = 8,
         tree: bool = True,
+        token_cost: float = 0.0,
     ) -> None:
+        """``token_cost``: what verifying one more drafted token costs, as a fraction of a whole
+        target step (0 on a GPU with spare compute: always draft ``max_depth``; about 0.3 for
+        SmolLM2-135M on a 2-core CPU). Above 0 each request drafts the depth d that maximises
+        expected tokens per unit of cost, sum_{i<=d} a^i / (1 + token_cost * d), with its
+        acceptance rate a estimated from what it committed so far (prior 1/2)."""
         for name, value in [
             ("max_ngram", max_ngram),
             ("min_ngram", min_ngram),
@@ -133,6 +139,10 @@ class NgramProposer:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.max_depth, self.max_nodes, self.max_matches = max_depth, max_nodes, max_matches
         self.tree = tree
+        if not isinstance(token_cost, (int, float)) or not 0.0 <= token_cost:
+            raise ValueError(f"token_cost must be a number >= 0, got {token_cost!r}")
+        self.token_cost = float(token_cost)
+        self._acceptance: dict[int, list[int]] = {}  # request id -> [accepted, rejected, last depth]
         # A trie has at most one node per continuation token; a chain is one continuation.
         drafted_bound = max_depth * (max_matches if tree else 1)
         self.max_tree_nodes = 1 + min(
@@ -161,23 +171,50 @@ class NgramProposer:
         index = self._indexes.get(request_id)
         if index is not None:
             self._extend(index, committed)
+        stats = self._acceptance.get(request_id)
+        if stats is not None and stats[2] > 0:  # the last proposal drafted something
+            accepted = min(len(committed) - 1, stats[2])
+            stats[0] += accepted
+            stats[1] += accepted < stats[2]  # the walk stopped at a rejection
+            stats[2] = 0
 
     def release(self, request_id: int) -> None:
-        """Drop the request's index."""
+        """Drop the request's index and acceptance record."""
         self._indexes.pop(request_id, None)
+        self._acceptance.pop(request_id, None)
+
+    def _affordable_depth(self, request_id: int, depth: int) -> int:
+        """The depth worth drafting given the request's acceptance so far and token_cost."""
+        if self.token_cost == 0.0:
+            return depth
+        stats = self._acceptance.setdefault(request_id, [0.0, 0.0, 0])
+        rate = (stats[0] + 1) / (stats[0] + stats[1] + 2)  # Laplace: 1/2 before any evidence
+
+        def value(d: int) -> float:
+            return sum(rate**i for i in range(d + 1)) / (1 + self.token_cost * d)
+
+        best = max(range(depth + 1), key=lambda d: (value(d), -d))
+        if best == 0:  # not drafting gives no evidence: forget slowly, so that it probes again
+            stats[0] *= 0.9
+            stats[1] *= 0.9
+        return best
 
     def _propose_one(self, request: ProposalRequest) -> tuple[list[int], list[int]]:
         context = request.tokens
         if not context:
             raise ValueError(f"request {request.request_id} has no tokens: its root is tokens[-1]")
         depth = min(self.max_depth, request.max_new - 1)  # the bonus token always comes on top
+        depth = self._affordable_depth(request.request_id, depth)
+        index = self._index_for(request)  # kept current even when nothing is drafted
         if depth < 1:
             return [context[-1]], [NO_PARENT]
-        index = self._index_for(request)
         num_matches = self.max_matches if self.tree else 1
         ends = self._match_ends(index, num_matches)
         continuations = [context[p + 1 : p + 1 + depth] for p in ends]
-        return build_trie(context[-1], continuations, self.max_nodes)
+        tokens, parents = build_trie(context[-1], continuations, self.max_nodes)
+        if self.token_cost and len(tokens) > 1:
+            self._acceptance[request.request_id][2] = max(len(c) for c in continuations)
+        return tokens, parents
 
     def _index_for(self, request: ProposalRequest) -> _NgramIndex:
         """The request's index, brought up to ``request.tokens`` (built or rebuilt as needed)."""

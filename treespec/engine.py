@@ -114,6 +114,7 @@ class Engine:
             )
         self.target = target
         self.proposer = proposer
+        self.wants_hidden = bool(getattr(proposer, "needs_hidden", False))
         # A tree of N nodes is written past the committed prefix before verification: room for it.
         self.max_tree_nodes = proposer.max_tree_nodes if proposer is not None else 1
         self.max_len = max_len
@@ -196,7 +197,7 @@ class Engine:
             tree_mask=batch.tree_mask,
             depth=batch.depth,
             logit_rows=batch.logit_rows,
-            return_hidden=False,
+            return_hidden=self.wants_hidden,
         )
         scored = time.perf_counter()
         accepted, committed = self._verify(decoding, trees, out.logits[batch.num_prefill_logits :])
@@ -211,7 +212,11 @@ class Engine:
             if request.prefilling:
                 request.num_prefilled += batch.chunk_len[request.request_id]
         first_tokens = self._first_tokens(finishing_prefill, out.logits[: batch.num_prefill_logits])
-        outputs = self._emit(finishing_prefill, first_tokens) + self._emit(decoding, committed, decode=True)
+        prefill_hidden, decode_hidden = self._hidden_for_proposer(
+            out.hidden, batch, finishing_prefill, decoding, accepted
+        )
+        outputs = self._emit(finishing_prefill, first_tokens, prefill_hidden)
+        outputs += self._emit(decoding, committed, decode_hidden, decode=True)
         self._retire()
         self.stats.steps += 1
         self.stats.propose_s += proposed - start
@@ -293,12 +298,30 @@ class Engine:
             [int(next_tokens(logits[i : i + 1], r.sampling, self.generator))] for i, r in enumerate(requests)
         ]
 
+    def _hidden_for_proposer(self, hidden, batch, finishing_prefill, decoding, accepted):
+        """Per request, the target's final hidden state at each node whose logits produced a
+        committed token: the prompt's last row for the first token; root and accepted nodes after."""
+        if not self.wants_hidden:
+            return [None] * len(finishing_prefill), [None] * len(decoding)
+        start = {r.request_id: int(batch.cu_q[i]) for i, r in enumerate(self._running)}
+        end = {r.request_id: int(batch.cu_q[i + 1]) for i, r in enumerate(self._running)}
+        prefill = [hidden[end[r.request_id] - 1 : end[r.request_id]] for r in finishing_prefill]
+        decode = [
+            hidden[[start[r.request_id] + n for n in nodes]]
+            for r, nodes in zip(decoding, accepted, strict=True)
+        ]
+        return prefill, decode
+
     def _emit(
-        self, requests: list[Request], produced: list[list[int]], decode: bool = False
+        self,
+        requests: list[Request],
+        produced: list[list[int]],
+        hidden: list[torch.Tensor | None],
+        decode: bool = False,
     ) -> list[RequestOutput]:
         """Append each request's committed tokens, cutting at EOS and max_new_tokens."""
         outputs = []
-        for request, tokens in zip(requests, produced, strict=True):
+        for request, tokens, states in zip(requests, produced, hidden, strict=True):
             kept = []
             for token in tokens:
                 kept.append(token)
@@ -312,7 +335,9 @@ class Engine:
             self.stats.new_tokens += len(kept)
             if decode:
                 self.stats.accepted_lengths.setdefault(request.request_id, []).append(len(tokens))
-            if self.proposer is not None:
+            if self.wants_hidden:  # states[j] is the hidden state that predicted kept[j]
+                self.proposer.observe(request.request_id, kept, states[: len(kept)])
+            elif self.proposer is not None:
                 self.proposer.observe(request.request_id, kept)
             outputs.append(RequestOutput(request.request_id, kept, request.finished, request.finish_reason))
         return outputs

@@ -2,6 +2,7 @@
 
 from treespec.proposers.base import ProposalRequest, Proposer
 from treespec.proposers.draft import DraftModelProposer
+from treespec.proposers.medusa import MedusaProposer
 from treespec.proposers.ngram import NgramProposer
 
-__all__ = ["DraftModelProposer", "NgramProposer", "ProposalRequest", "Proposer"]
+__all__ = ["DraftModelProposer", "MedusaProposer", "NgramProposer", "ProposalRequest", "Proposer"]

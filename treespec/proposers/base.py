@@ -46,7 +46,12 @@ class Proposer(Protocol):
         ...
 
     def observe(self, request_id: int, committed: list[int]) -> None:
-        """The tokens committed for a request this step (accepted drafted tokens, then the bonus)."""
+        """The tokens committed for a request this step (accepted drafted tokens, then the bonus).
+
+        A proposer with a true ``needs_hidden`` attribute (heads) is called as
+        ``observe(request_id, committed, hidden)`` instead, ``hidden [len(committed), H]`` being the
+        target's final hidden state at the node whose logits produced each committed token.
+        """
         ...
 
     def release(self, request_id: int) -> None:

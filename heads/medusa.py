@@ -1,0 +1,102 @@
+"""Medusa heads: K extra heads on the target's last hidden state, head i guessing token t+i+1.
+
+Each head is a stack of residual SiLU blocks (``x + SiLU(W x)``, no weight shared between
+blocks or heads) followed by a read-out: its own LM head, or the target's. Saved as a folder
+with ``config.json`` and ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+HEAD_TYPE = "medusa"
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1
+    own_lm_head: bool = True  # False: read out through the target's LM head
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MedusaConfig.{name} must be an int >= 1, got {value!r}")
+
+
+class ResidualBlock(nn.Module):
+    """x + SiLU(W x + b). Zero-initialised W and b make a new block the identity (as Medusa does)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResidualBlock(config.hidden_size) for _ in range(config.num_layers)])
+            for _ in range(config.num_heads)
+        )
+        self.lm_heads = (
+            nn.ModuleList(
+                nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
+            )
+            if config.own_lm_head
+            else None
+        )
+
+    def forward(self, hidden: torch.Tensor, target_lm_head: nn.Module | None = None) -> torch.Tensor:
+        """Shape: hidden [N, H] -> logits [N, K, V] (head i predicts the token i+1 after the next)."""
+        if self.lm_heads is None and target_lm_head is None:
+            raise ValueError("these Medusa heads read out through the target's LM head: pass target_lm_head")
+        outs = []
+        for i, blocks in enumerate(self.blocks):
+            features = blocks(hidden)
+            head = self.lm_heads[i] if self.lm_heads is not None else target_lm_head
+            outs.append(head(features))
+        return torch.stack(outs, dim=1)
+
+    def save(self, folder: str | Path) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` into ``folder``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(
+            json.dumps({"head_type": HEAD_TYPE, **asdict(self.config)}, indent=2)
+        )
+        save_file(
+            {k: v.contiguous() for k, v in self.state_dict().items()}, str(folder / "model.safetensors")
+        )
+        return folder
+
+    @classmethod
+    def from_folder(
+        cls, folder: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> MedusaHeads:
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        if config.pop("head_type", None) != HEAD_TYPE:
+            raise ValueError(f"{folder}/config.json does not describe Medusa heads (head_type {HEAD_TYPE!r})")
+        heads = cls(MedusaConfig(**config))
+        state = load_file(str(folder / "model.safetensors"))
+        missing = sorted(set(heads.state_dict()) - set(state))
+        if missing:
+            raise ValueError(f"{folder}/model.safetensors is missing tensors: {', '.join(missing)}")
+        heads.load_state_dict(state, strict=True)
+        return heads.to(device=device, dtype=dtype).eval()

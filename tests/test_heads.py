@@ -1,0 +1,117 @@
+"""Medusa heads: folder I/O, exact speculative output with random heads, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build, oracle_table
+
+import treespec
+from treespec import heads as heads_module
+from treespec.heads import MedusaConfig, MedusaHeads
+from treespec.proposers import MedusaProposer
+from treespec.tree import full_tree
+
+PROMPTS = [list(range(5, 12)), [20, 21, 22], list(range(30, 60)), [7]]
+NEW = 17
+
+
+def random_heads(model, *, num_heads=3, own_lm_head=True, seed=0) -> MedusaHeads:
+    torch.manual_seed(seed)
+    config = MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=num_heads,
+                          num_layers=2, own_lm_head=own_lm_head)  # fmt: skip
+    heads = MedusaHeads(config)
+    for p in heads.parameters():  # random, not Medusa's identity init: acceptance is poor
+        torch.nn.init.normal_(p, std=0.2)
+    return heads.eval()
+
+
+def test_folder_round_trip(tmp_path):
+    model = build("llama")
+    heads = random_heads(model)
+    heads.save(tmp_path / "medusa")
+    assert json.loads((tmp_path / "medusa" / "config.json").read_text())["num_heads"] == 3
+    loaded = heads_module.load(tmp_path / "medusa")
+    hidden = torch.randn(5, model.config.hidden_size)
+    torch.testing.assert_close(loaded(hidden), heads(hidden), atol=0, rtol=0)
+    assert loaded(hidden).shape == (5, 3, model.config.vocab_size)
+
+
+def test_blocks_do_not_share_weights():
+    heads = MedusaHeads(MedusaConfig(16, 32, num_heads=2, num_layers=2))
+    pointers = {p.data_ptr() for p in heads.parameters()}
+    assert len(pointers) == len(list(heads.parameters()))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("own_lm_head", [True, False])
+def test_random_medusa_heads_keep_the_output_exact(family, own_lm_head):
+    model, want = oracle_table(PROMPTS, NEW)(family)
+    heads = random_heads(model, own_lm_head=own_lm_head)
+    for tree in (None, full_tree(2, 3)):
+        for chunk in (None, 3):
+            proposer = MedusaProposer(heads, model, tree=tree)
+            out = treespec.generate(
+                model, PROMPTS, max_new_tokens=NEW, proposer=proposer, prefill_chunk_size=chunk
+            )
+            assert out.sequences == want
+            assert len(out.stats.accepted_lengths[0]) > 0
+
+
+def test_hidden_state_handed_over_is_the_one_behind_the_root():
+    """With heads that copy the target's own LM head (identity blocks), head 0 guesses what the
+    target predicts at the root's predecessor: the root itself, so it is rejected unless the
+    model repeats tokens. The check: the proposer's stored hidden state equals the target's."""
+    model, _ = oracle_table(PROMPTS, NEW)("llama")
+    heads = MedusaHeads(
+        MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=1, own_lm_head=False)
+    )
+    proposer = MedusaProposer(heads, model)
+    seen = {}
+    original = proposer.observe
+
+    def spy(request_id, committed, hidden=None):
+        seen[request_id] = (list(committed), hidden.clone())
+        original(request_id, committed, hidden)
+
+    proposer.observe = spy
+    engine = treespec.Engine(treespec.Target(model), max_batch_size=1, max_len=64, proposer=proposer)
+    rid = engine.add_request(PROMPTS[0], max_new_tokens=6)
+    while engine.has_unfinished():
+        engine.step()
+    output = engine.pop(rid).output
+    committed, hidden = seen[rid]
+    context = PROMPTS[0] + output[: len(output) - len(committed)]
+    with torch.no_grad():
+        states = model(torch.tensor([context + committed[:-1]]), output_hidden_states=True).hidden_states[-1][
+            0
+        ]
+    torch.testing.assert_close(hidden, states[len(context) - 1 :], atol=1e-4, rtol=1e-4)
+
+
+def test_bad_heads_and_folders(tmp_path):
+    model = build("llama")
+    with pytest.raises(ValueError, match="hidden size 32, the target 64"):
+        MedusaProposer(MedusaHeads(MedusaConfig(32, 128)), model)
+    with pytest.raises(ValueError, match="vocabulary of 100, the target 128"):
+        MedusaProposer(MedusaHeads(MedusaConfig(64, 100)), model)
+    with pytest.raises(ValueError, match="only 2 heads"):
+        MedusaProposer(MedusaHeads(MedusaConfig(64, 128, num_heads=2)), model, tree=full_tree(2, 3))
+    with pytest.raises(ValueError, match="num_heads"):
+        MedusaConfig(64, 128, num_heads=0)
+    folder = random_heads(model).save(tmp_path / "h")
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    del state["lm_heads.1.weight"]
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensors: lm_heads\.1\.weight"):
+        heads_module.load(folder)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text(json.dumps({"head_type": "hydra"}))
+    with pytest.raises(ValueError, match="unknown head layout 'hydra'"):
+        heads_module.load(tmp_path / "x")
+    with pytest.raises(ValueError, match="no config.json"):
+        heads_module.load(tmp_path)

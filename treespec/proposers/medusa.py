@@ -1,0 +1,71 @@
+"""Medusa: K heads on the target's hidden state at the last committed token's predecessor.
+
+After each step the engine hands over the target's final hidden state at the node whose logits
+produced the newest committed token (the root of the next tree). Head i's top-k from that state
+are the candidates for depth i + 1; a static ``TreeShape`` picks which combinations to verify
+(``tree.build_static_tree``, Medusa's way). Children are top-k: the deterministic rule verifies
+them losslessly.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from treespec.heads.medusa import MedusaHeads
+from treespec.proposers.base import ProposalRequest
+from treespec.tree import TokenTree, TreeShape, build_static_tree, chain
+
+
+class MedusaProposer:
+    sampled_children = False
+    needs_hidden = True
+
+    def __init__(
+        self, heads: MedusaHeads, target_model: PreTrainedModel, *, tree: TreeShape | None = None
+    ) -> None:
+        config = heads.config
+        target_hidden = target_model.config.hidden_size
+        target_vocab = target_model.get_output_embeddings().weight.shape[0]
+        if config.hidden_size != target_hidden:
+            raise ValueError(
+                f"Medusa heads have hidden size {config.hidden_size}, the target {target_hidden}"
+            )
+        if config.vocab_size != target_vocab:
+            raise ValueError(
+                f"Medusa heads have a vocabulary of {config.vocab_size}, the target {target_vocab}"
+            )
+        self.heads = heads.eval()
+        self.shape = tree or chain(config.num_heads)
+        if self.shape.max_depth > config.num_heads:
+            raise ValueError(
+                f"the tree is {self.shape.max_depth} deep but there are only {config.num_heads} heads"
+            )
+        self.lm_head = None if config.own_lm_head else target_model.get_output_embeddings()
+        self.max_tree_nodes = self.shape.num_nodes
+        self.vocab_size = target_vocab
+        self._hidden: dict[int, torch.Tensor] = {}  # request id -> [H] hidden state behind its root
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposalRequest]) -> TokenTree:
+        depth = min(self.shape.max_depth, min(r.max_new for r in requests) - 1)
+        roots = torch.tensor([r.tokens[-1] for r in requests])
+        if depth < 1:
+            return TokenTree.from_lists([[r.tokens[-1]] for r in requests])
+        shape = (
+            self.shape
+            if depth == self.shape.max_depth
+            else TreeShape.from_paths([p for p in self.shape.paths if len(p) <= depth])
+        )
+        hidden = torch.stack([self._hidden[r.request_id] for r in requests])  # [B, H]
+        weight = next(self.heads.parameters())
+        logits = self.heads(hidden.to(weight.dtype), self.lm_head)  # [B, K, V]
+        candidates = logits.topk(shape.max_rank + 1, dim=-1).indices  # [B, K, k] distinct per row
+        return build_static_tree(shape, roots, candidates)
+
+    def observe(self, request_id: int, committed: list[int], hidden: torch.Tensor | None = None) -> None:
+        if hidden is not None and len(hidden):
+            self._hidden[request_id] = hidden[-1]
+
+    def release(self, request_id: int) -> None:
+        self._hidden.pop(request_id, None)

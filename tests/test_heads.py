@@ -115,3 +115,71 @@ def test_bad_heads_and_folders(tmp_path):
         heads_module.load(tmp_path / "x")
     with pytest.raises(ValueError, match="no config.json"):
         heads_module.load(tmp_path)
+
+
+# --------------------------------------------------------------------------- published layout
+
+
+def published_medusa_state(num_heads=2, num_layers=2, hidden=16, vocab=40, seed=3):
+    """A synthetic checkpoint in FasterDecoding/Medusa's layout with known weights."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            state[f"{i}.{j}.linear.weight"] = torch.randn(hidden, hidden, generator=gen)
+            state[f"{i}.{j}.linear.bias"] = torch.randn(hidden, generator=gen)
+        state[f"{i}.{num_layers}.weight"] = torch.randn(vocab, hidden, generator=gen)
+    return state
+
+
+def by_hand(state, hidden, head, num_layers):
+    x = hidden
+    for j in range(num_layers):
+        x = x + torch.nn.functional.silu(
+            x @ state[f"{head}.{j}.linear.weight"].T + state[f"{head}.{j}.linear.bias"]
+        )
+    return x @ state[f"{head}.{num_layers}.weight"].T
+
+
+@pytest.mark.parametrize("file_format", ["safetensors", "pt"])
+def test_published_medusa_layout_loads_with_known_weights(tmp_path, file_format):
+    from safetensors.torch import save_file
+
+    state = published_medusa_state()
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 2}))
+    if file_format == "safetensors":
+        save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
+    else:
+        torch.save(state, tmp_path / "medusa_lm_head.pt")
+    heads = heads_module.load(tmp_path)
+    assert heads.config == MedusaConfig(16, 40, num_heads=2, num_layers=2, own_lm_head=True)
+    hidden = torch.randn(3, 16)
+    out = heads(hidden)
+    for head in range(2):
+        torch.testing.assert_close(out[:, head], by_hand(state, hidden, head, 2), atol=1e-4, rtol=1e-4)
+
+
+def test_export_then_import_round_trip(tmp_path):
+    model = build("llama")
+    for own in (True, False):
+        heads = random_heads(model, own_lm_head=own)
+        folder = heads_module.export_published_medusa(
+            heads, tmp_path / f"out-{own}", target_lm_head=model.get_output_embeddings(), base_model="tiny"
+        )
+        back = heads_module.load(folder)
+        hidden = torch.randn(4, model.config.hidden_size)
+        lm_head = None if own else model.get_output_embeddings()
+        torch.testing.assert_close(back(hidden), heads(hidden, lm_head), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="pass target_lm_head"):
+        heads_module.export_published_medusa(random_heads(model, own_lm_head=False), tmp_path / "x")
+
+
+def test_published_medusa_missing_tensor_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    state = published_medusa_state()
+    del state["1.0.linear.bias"]
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 2}))
+    save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensors: 1\.0\.linear\.bias"):
+        heads_module.load(tmp_path)

@@ -183,3 +183,53 @@ def test_published_medusa_missing_tensor_is_named(tmp_path):
     save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
     with pytest.raises(ValueError, match=r"missing tensors: 1\.0\.linear\.bias"):
         heads_module.load(tmp_path)
+
+
+# --------------------------------------------------------------------------- hidden states across chunks
+
+
+class PairRecorder:
+    """Records every (next token, hidden state) pair the engine hands over; proposes nothing."""
+
+    sampled_children = False
+    needs_hidden = True
+    max_tree_nodes = 1
+
+    def __init__(self):
+        self.pairs: dict[int, list[tuple[int, torch.Tensor]]] = {}
+
+    def propose(self, requests):
+        from treespec.tree import TokenTree
+
+        return TokenTree.make_dummy([[r.tokens[-1]] for r in requests])
+
+    def observe(self, request_id, committed, hidden=None):
+        self.pairs.setdefault(request_id, []).extend(zip(committed, hidden, strict=True))
+
+    def observe_prefill(self, request_id, tokens, hidden):
+        self.pairs.setdefault(request_id, []).extend(zip(tokens, hidden, strict=True))
+
+    def release(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_chunked_prefill_hands_over_the_same_pairs(family):
+    """(h_t, x_{t+1}) for every position, whatever the chunking, with a second request that is
+    decoding while the first still prefills. 17 tokens with chunks of 16 puts a boundary right
+    before the prompt's last token."""
+    model = build(family)
+    prompts = [list(range(3, 20)), [40, 41, 42, 43, 44]]  # 17 and 5 tokens
+    runs = {}
+    for chunk in (1, 3, 16, None):
+        recorder = PairRecorder()
+        out = treespec.generate(model, prompts, max_new_tokens=3, proposer=recorder, prefill_chunk_size=chunk)
+        runs[chunk] = (out.sequences, recorder.pairs)
+    for b, prompt in enumerate(prompts):
+        sequence = prompt + runs[None][0][b]
+        with torch.no_grad():
+            states = model(torch.tensor([sequence[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+        for chunk, (_, pairs) in runs.items():
+            tokens = [t for t, _ in pairs[b]]
+            assert tokens == sequence[1:], (chunk, b)  # x_1 .. x_n, each exactly once, in order
+            torch.testing.assert_close(torch.stack([h for _, h in pairs[b]]), states, atol=1e-4, rtol=1e-4)

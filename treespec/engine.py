@@ -115,6 +115,7 @@ class Engine:
         self.target = target
         self.proposer = proposer
         self.wants_hidden = bool(getattr(proposer, "needs_hidden", False))
+        self._carry: dict[int, torch.Tensor] = {}  # request id -> last hidden state of its latest chunk
         # A tree of N nodes is written past the committed prefix before verification: room for it.
         self.max_tree_nodes = proposer.max_tree_nodes if proposer is not None else 1
         self.max_len = max_len
@@ -208,6 +209,8 @@ class Engine:
         self.cache.commit([r.slot for r in self._running], [keep[r.request_id] for r in self._running])
         committed_at = time.perf_counter()
         finishing_prefill = [r for r in self._running if r.prefilling and batch.finishes_prefill(r)]
+        if self.wants_hidden:
+            self._hand_over_prefill(out.hidden, batch)
         for request in self._running:
             if request.prefilling:
                 request.num_prefilled += batch.chunk_len[request.request_id]
@@ -297,6 +300,28 @@ class Engine:
         return [
             [int(next_tokens(logits[i : i + 1], r.sampling, self.generator))] for i, r in enumerate(requests)
         ]
+
+    def _hand_over_prefill(self, hidden: torch.Tensor, batch: StepBatch) -> None:
+        """Give the proposer each prefill chunk's (hidden state, next token) pairs as they come.
+
+        h_t pairs with x_{t+1}. A chunk's last hidden state waits for the next chunk's first
+        token (carried over the boundary); the prompt's last one pairs with the first generated
+        token, which ``observe`` delivers. So every chunking yields the same pairs in order.
+        """
+        for i, request in enumerate(self._running):
+            if not request.prefilling:
+                continue
+            rows = hidden[int(batch.cu_q[i]) : int(batch.cu_q[i + 1])]
+            tokens = request.prompt[request.num_prefilled : request.num_prefilled + len(rows)]
+            carried = self._carry.pop(request.request_id, None)
+            if carried is None:  # the prompt's first token follows no hidden state
+                pair_tokens, pair_hidden = tokens[1:], rows[:-1]
+            else:
+                pair_tokens, pair_hidden = tokens, torch.cat([carried[None], rows[:-1]])
+            if pair_tokens:
+                self.proposer.observe_prefill(request.request_id, pair_tokens, pair_hidden)
+            if request.request_id not in batch.final_chunk:
+                self._carry[request.request_id] = rows[-1]
 
     def _hidden_for_proposer(self, hidden, batch, finishing_prefill, decoding, accepted):
         """Per request, the target's final hidden state at each node whose logits produced a

@@ -51,6 +51,11 @@ class Proposer(Protocol):
         A proposer with a true ``needs_hidden`` attribute (heads) is called as
         ``observe(request_id, committed, hidden)`` instead, ``hidden [len(committed), H]`` being the
         target's final hidden state at the node whose logits produced each committed token.
+        Such a proposer also gets ``observe_prefill(request_id, tokens, hidden)`` for every
+        prefill chunk: ``hidden[j]`` is the hidden state of the position just before
+        ``tokens[j]`` (pairs (h_t, x_{t+1}), carried across chunk boundaries, so that any
+        chunking delivers the same pairs; the prompt's last state comes with the first
+        generated token through ``observe``).
         """
         ...
 

@@ -67,5 +67,8 @@ class MedusaProposer:
         if hidden is not None and len(hidden):
             self._hidden[request_id] = hidden[-1]
 
+    def observe_prefill(self, request_id: int, tokens: list[int], hidden: torch.Tensor) -> None:
+        """Medusa needs only the state behind the newest token, which ``observe`` delivers."""
+
     def release(self, request_id: int) -> None:
         self._hidden.pop(request_id, None)

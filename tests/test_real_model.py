@@ -62,3 +62,34 @@ def test_smollm2_speculative_greedy_equals_hf_generate(smollm2):
         model, prompts[:1], max_new_tokens=49, proposer=DraftModelProposer(model, shape=chain(3))
     )
     assert out.sequences == [expected[0] + out.sequences[0][48:]] and out.stats.tau == 4.0
+
+
+def test_smollm2_random_medusa_heads_keep_the_output_exact(smollm2):
+    """Random heads on the real model: poor guesses, HF's tokens all the same."""
+    from treespec.heads import MedusaConfig, MedusaHeads
+    from treespec.proposers import MedusaProposer
+    from treespec.tree import full_tree
+
+    model, tokenizer = smollm2
+    prompts = encode_prompts(tokenizer, DEFAULT_PROMPTS[:2])
+    with torch.no_grad():
+        expected = [
+            model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+    torch.manual_seed(0)
+    heads = MedusaHeads(
+        MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=3, own_lm_head=False)
+    )
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    out = treespec.generate(
+        model,
+        prompts,
+        max_new_tokens=24,
+        proposer=MedusaProposer(heads, model, tree=full_tree(2, 3)),
+        prefill_chunk_size=16,
+    )
+    assert out.sequences == expected

@@ -71,8 +71,11 @@ def build(name: str, seed: int = 0, **overrides):
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The oracle: HF's own greedy generate, one unpadded prompt at a time."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # an explicit mask: HF would otherwise mask prompt tokens equal to the pad id
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
     return out[0, len(prompt) :].tolist()
 
 

@@ -152,7 +152,7 @@ def check_inputs(
 
 
 def _check_parents(tree: TokenTree) -> None:
-    local = torch.arange(tree.num_nodes) - torch.repeat_interleave(tree.cu_nodes[:-1], tree.cu_nodes.diff())
+    local = torch.arange(tree.num_nodes) - tree.cu_nodes[_node_requests(tree)]
     is_root = local == 0
     bad = torch.where(is_root, tree.parents != NO_NODE, (tree.parents < 0) | (tree.parents >= local))
     if bool(bad.any()):
@@ -175,11 +175,20 @@ def _check_finite(logits: torch.Tensor, tree: TokenTree, name: str) -> None:
         )
 
 
+def _node_requests(tree: TokenTree) -> torch.Tensor:
+    """[T] request index of each node."""
+    return torch.repeat_interleave(torch.arange(tree.num_requests), tree.cu_nodes.diff())
+
+
+def _global_parents(tree: TokenTree, root_fill: int = NO_NODE) -> torch.Tensor:
+    """[T] each node's parent as a row of the flattened batch; ``root_fill`` at the roots."""
+    return torch.where(tree.parents >= 0, tree.parents + tree.cu_nodes[_node_requests(tree)], root_fill)
+
+
 def children_table(tree: TokenTree) -> torch.Tensor:
     """[T, C] global indices of each node's children in node order, NO_NODE-padded."""
     num_nodes = tree.num_nodes
-    request = torch.repeat_interleave(torch.arange(tree.num_requests), tree.cu_nodes.diff())
-    global_parent = torch.where(tree.parents >= 0, tree.parents + tree.cu_nodes[request], NO_NODE)
+    global_parent = _global_parents(tree)
     child = (global_parent >= 0).nonzero().squeeze(-1)  # children, already in node order
     parent_of_child = global_parent[child]
     # Rank among siblings: position minus the first position of the same parent (sorted stably).
@@ -230,8 +239,7 @@ def _finish(tree: TokenTree, last: torch.Tensor, bonus: torch.Tensor) -> VerifyO
     max_len = int(num_accepted.max()) + 1
     path = torch.full((tree.num_requests, max_len), NO_NODE, dtype=torch.long)
     node = last.clone()
-    request = torch.repeat_interleave(torch.arange(tree.num_requests), tree.cu_nodes.diff())
-    global_parent = torch.where(tree.parents >= 0, tree.parents + tree.cu_nodes[request], NO_NODE)
+    global_parent = _global_parents(tree)
     for _ in range(max_len):  # walk up from the last node, writing depths from the bottom
         live = node >= 0
         path[live, tree.depth[node[live]]] = node[live]
@@ -334,8 +342,8 @@ def _verify_typical(
     target_probs = logits_to_probs(target_logits, params)  # [T, V]
     entropy = -torch.special.xlogy(target_probs, target_probs).sum(-1)  # [T]; 0 log 0 = 0
     threshold = torch.minimum(torch.full_like(entropy, eps), delta * torch.exp(-entropy))
-    request = torch.repeat_interleave(torch.arange(tree.num_requests), tree.cu_nodes.diff())
-    global_parent = torch.where(tree.parents >= 0, tree.parents + tree.cu_nodes[request], 0)
+    request = _node_requests(tree)
+    global_parent = _global_parents(tree, root_fill=0)
     passes = (tree.parents < 0) | (target_probs[global_parent, tree.tokens] > threshold[global_parent])
     kept = tree.parents < 0
     for _ in range(int(tree.depth.max())):

@@ -7,8 +7,24 @@ entry i is ``Sequential(ResBlock x num_layers, Linear(hidden, vocab, bias=False)
 ``{i}.{j}.linear.weight`` / ``{i}.{j}.linear.bias`` for the blocks and ``{i}.{num_layers}.weight``
 for the read-out. (The original code repeats one ResBlock object ``num_layers`` times, so its
 blocks share weights; the file still holds one entry per block, and treespec loads each into its
-own block.) A pickle file is read with ``torch.load(weights_only=True)`` only: loading never runs
-code from it.
+own block.)
+
+EAGLE (SafeAILab/EAGLE, EAGLE-1): a Llama ``config.json`` for one layer (``bias`` says whether
+``fc`` has one) and ``model.safetensors`` or ``pytorch_model.bin`` with ``fc.weight`` [H, 2H]
+(``fc.bias``), ``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.mlp.{gate,up,down}_proj
+.weight`` and ``layers.0.post_attention_layernorm.weight`` (the layer has no input norm). An
+``embed_tokens.weight`` copy of the target's table may be present; the target's own is used.
+
+EAGLE-3 (SafeAILab/EAGLE, as vLLM and SGLang serve it): ``config.json`` with architectures
+``["LlamaForCausalLMEagle3"]`` and ``draft_vocab_size`` (optionally
+``eagle_aux_hidden_state_layer_ids``), weights ``fc.weight`` [H, 3H], ``midlayer.{input_layernorm,
+hidden_norm,post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v}_proj.weight`` [., 2H],
+``midlayer.self_attn.o_proj.weight``, ``midlayer.mlp.*``, ``norm.weight``, ``lm_head.weight``
+[draft_vocab, H], ``d2t`` (draft id i is target id ``i + d2t[i]``) and ``t2d`` (bool over the
+target vocabulary).
+
+A pickle file is read with ``torch.load(weights_only=True)`` only: loading never runs code
+from it.
 """
 
 from __future__ import annotations
@@ -21,14 +37,38 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from treespec.heads.eagle import EagleConfig, EagleHead, default_feature_layers
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
 
 MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
 
+EAGLE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+_LAYER_KEYS = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [
+    f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")
+] + ["post_attention_layernorm.weight"]  # fmt: skip
+
+
+def published_layout(folder: Path) -> str | None:
+    """ "medusa", "eagle" (EAGLE-1), "eagle3", or None for treespec's own or unknown folders."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    if "head_type" in config:
+        return None
+    if "medusa_num_heads" in config:
+        return "medusa"
+    if EAGLE3_ARCHITECTURE in config.get("architectures", []) or "draft_vocab_size" in config:
+        return "eagle3"
+    if "hidden_size" in config and any((folder / name).is_file() for name in EAGLE_WEIGHTS):
+        return "eagle"
+    return None
+
+
 def is_published_medusa(folder: Path) -> bool:
-    config = folder / "config.json"
-    return config.is_file() and "medusa_num_heads" in json.loads(config.read_text())
+    return published_layout(folder) == "medusa"
 
 
 def load_published_medusa(folder: str | Path) -> MedusaHeads:
@@ -82,6 +122,116 @@ def export_published_medusa(
             "base_model_name_or_path": base_model}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(meta, indent=2))
     return folder
+
+
+def load_published_eagle(folder: str | Path) -> EagleHead:
+    """An EAGLE-1 or EAGLE-3 head from its published layout (sizes from ``config.json``)."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    eagle3 = published_layout(folder) == "eagle3"
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    heads = int(config["num_attention_heads"])
+    draft_vocab = config.get("draft_vocab_size") if eagle3 else None
+    head = EagleHead(
+        EagleConfig(
+            hidden_size=int(config["hidden_size"]),
+            vocab_size=int(config["vocab_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            intermediate_size=int(config["intermediate_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_parameters=_rope_parameters(config),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            hidden_act=config.get("hidden_act", "silu"),
+            eagle3=eagle3,
+            feature_layers=tuple(aux or ()),
+            draft_vocab_size=None if draft_vocab in (None, config["vocab_size"]) else int(draft_vocab),
+            fc_bias=bool(config.get("bias", False)) and not eagle3,
+            attention_bias=bool(config.get("attention_bias", False)),
+        )
+    )
+    state = _read_eagle_weights(folder)
+    ours: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    layer = "midlayer" if eagle3 else "layers.0"
+    for key in head.state_dict():
+        if key.startswith("layer."):
+            _take(state, f"{layer}.{key[len('layer.') :]}", key, ours, missing)
+        elif key == "d2t" and "d2t" not in state and head.config.draft_vocab_size is None:
+            ours[key] = torch.zeros_like(head.d2t)  # a full read-out vocabulary maps to itself
+        else:
+            _take(state, key, key, ours, missing)
+    if missing:
+        raise ValueError(f"{folder}: the EAGLE checkpoint is missing tensors: {', '.join(missing)}")
+    head.load_weights(ours, source=str(folder))
+    return head.eval()
+
+
+def export_published_eagle(
+    head: EagleHead, folder: str | Path, *, target_num_layers: int | None = None
+) -> Path:
+    """Write ``head`` in the published layout (EAGLE-1 or EAGLE-3 by its config; safetensors), as
+    vLLM and SGLang load it. EAGLE-3 records its feature layers (``target_num_layers`` resolves
+    the default ones of a head that has none)."""
+    config = head.config
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    layer = "midlayer" if config.eagle3 else "layers.0"
+    state = {}
+    for key, tensor in head.state_dict().items():
+        name = f"{layer}.{key[len('layer.') :]}" if key.startswith("layer.") else key
+        state[name] = tensor.detach().clone().contiguous()
+    meta = {k: v for k, v in config.llama_config().to_dict().items() if k not in ("rope_parameters",)}
+    meta.update(
+        architectures=[EAGLE3_ARCHITECTURE if config.eagle3 else "LlamaForCausalLM"],
+        model_type="llama",
+        num_hidden_layers=1,
+        rope_theta=float(config.rope_parameters.get("rope_theta", 10000.0)),
+        bias=config.fc_bias,
+    )
+    scaling = {k: v for k, v in config.rope_parameters.items() if k != "rope_theta"}
+    meta["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
+    if config.eagle3:
+        ids = head.target_ids()
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[ids.cpu()] = True
+        state["t2d"] = t2d
+        meta["draft_vocab_size"] = config.readout_size
+        layers = config.feature_layers
+        if not layers and target_num_layers is not None:
+            layers = default_feature_layers(target_num_layers)
+        if layers:
+            meta["eagle_aux_hidden_state_layer_ids"] = list(layers)
+            meta["eagle_config"] = {
+                "eagle_aux_hidden_state_layer_ids": list(layers),
+                "use_aux_hidden_state": True,
+            }
+    save_file(state, str(folder / EAGLE_WEIGHTS[0]))
+    (folder / "config.json").write_text(json.dumps(meta, indent=2, default=str))
+    return folder
+
+
+def _rope_parameters(config: dict) -> dict:
+    if config.get("rope_parameters"):
+        return dict(config["rope_parameters"])
+    theta = float(config.get("rope_theta", 10000.0))
+    scaling = dict(config.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    return {"rope_type": "default", **scaling, "rope_theta": theta}
+
+
+def _read_eagle_weights(folder: Path) -> dict[str, torch.Tensor]:
+    for name in EAGLE_WEIGHTS:
+        path = folder / name
+        if path.is_file():
+            if name.endswith(".safetensors"):
+                return load_file(str(path))
+            return torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
+    raise ValueError(f"{folder}: no EAGLE weights ({' or '.join(EAGLE_WEIGHTS)})")
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -78,3 +78,26 @@ def test_smollm2_random_medusa_heads_keep_the_output_exact(smollm2):
         prefill_chunk_size=16,
     )
     assert out.sequences == expected
+
+
+@pytest.mark.parametrize("eagle3", [False, True])
+def test_smollm2_random_eagle_head_keeps_the_output_exact(smollm2, eagle3):
+    """A random EAGLE-1 / EAGLE-3 head (reduced draft vocabulary) on the real model, batch 2,
+    chunked prefill: HF's tokens exactly."""
+    from treespec.heads import EagleConfig, EagleHead
+    from treespec.proposers import EagleProposer
+
+    model, tokenizer = smollm2
+    prompts = encode_prompts(tokenizer, DEFAULT_PROMPTS[:2])
+    expected = [hf_greedy(model, p, 24) for p in prompts]
+    torch.manual_seed(0)
+    config = EagleConfig.from_target(model.config, eagle3=eagle3, draft_vocab_size=4096 if eagle3 else None)
+    assert config.feature_layers == ((2, 15, 27) if eagle3 else ())
+    head = EagleHead(config)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    if eagle3:
+        head.d2t.copy_(torch.arange(4096) * 3)  # draft id i -> target id 4i
+    proposer = EagleProposer(head, model, top_k=4, depth=4, total_tokens=15)
+    out = treespec.generate(model, prompts, max_new_tokens=24, proposer=proposer, prefill_chunk_size=16)
+    assert out.sequences == expected

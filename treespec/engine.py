@@ -115,6 +115,9 @@ class Engine:
         self.target = target
         self.proposer = proposer
         self.wants_hidden = bool(getattr(proposer, "needs_hidden", False))
+        # Features a head reads: the final hidden state, or the concatenated inputs of the layers
+        # it names (EAGLE-3's low, middle and high layers).
+        self.feature_layers = tuple(getattr(proposer, "hidden_layers", ()) or ())
         self._carry: dict[int, torch.Tensor] = {}  # request id -> last hidden state of its latest chunk
         # A tree of N nodes is written past the committed prefix before verification: room for it.
         self.max_tree_nodes = proposer.max_tree_nodes if proposer is not None else 1
@@ -198,7 +201,13 @@ class Engine:
             tree_mask=batch.tree_mask,
             depth=batch.depth,
             logit_rows=batch.logit_rows,
+            hidden_layers=self.feature_layers,
             return_hidden=self.wants_hidden,
+        )
+        features = (
+            torch.cat([out.layer_hidden[layer] for layer in self.feature_layers], dim=-1)
+            if self.feature_layers
+            else out.hidden
         )
         scored = time.perf_counter()
         accepted, committed = self._verify(decoding, trees, out.logits[batch.num_prefill_logits :])
@@ -210,13 +219,13 @@ class Engine:
         committed_at = time.perf_counter()
         finishing_prefill = [r for r in self._running if r.prefilling and batch.finishes_prefill(r)]
         if self.wants_hidden:
-            self._hand_over_prefill(out.hidden, batch)
+            self._hand_over_prefill(features, batch)
         for request in self._running:
             if request.prefilling:
                 request.num_prefilled += batch.chunk_len[request.request_id]
         first_tokens = self._first_tokens(finishing_prefill, out.logits[: batch.num_prefill_logits])
         prefill_hidden, decode_hidden = self._hidden_for_proposer(
-            out.hidden, batch, finishing_prefill, decoding, accepted
+            features, batch, finishing_prefill, decoding, accepted
         )
         outputs = self._emit(finishing_prefill, first_tokens, prefill_hidden)
         outputs += self._emit(decoding, committed, decode_hidden, decode=True)

@@ -84,6 +84,74 @@ class StepMetadata:
             self._plans[key] = schedule_blocks(self.cu_q, self.prefix_lens, group)
         return self._plans[key]
 
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the K/V [T, Hkv, D] of every new token at its row's cache position."""
+        if self.single is not None:
+            self.cache.write_run(layer, *self.single, k, v)
+        else:
+            self.cache.write(layer, self.row_slots, self.row_pos, k, v)
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        *,
+        sm_scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Tree attention of the new tokens' queries q [T, Hq, D] over layer ``layer`` of the cache."""
+        k_cache, v_cache = self.cache.keys[layer], self.cache.values[layer]
+        if self.backend == "triton":
+            return tree_attention_triton(
+                q.contiguous(), k_cache, v_cache, self.cu_q, self.slots, self.prefix_lens, self.tree_mask,
+                sm_scale=sm_scale, window=window, softcap=softcap, q_positions=self.q_positions,
+                schedule=self.schedule(q.shape[1] // k_cache.shape[1]),
+            )  # fmt: skip
+        return attend(q, k_cache, v_cache, self.plan(window), sm_scale=sm_scale, softcap=softcap)
+
+    @classmethod
+    def build(
+        cls,
+        cache: KVCache,
+        cu_q: torch.Tensor,
+        slots: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
+        depth: torch.Tensor | None = None,
+        *,
+        backend: str = "reference",
+    ) -> StepMetadata:
+        """Metadata for T new tokens on top of each slot's committed prefix.
+
+        New token i of request b is written at ``prefix_lens[b] + i`` and sits at sequence position
+        ``prefix_lens[b] + depth[i]`` (``depth`` None: ``i``, i.e. chains). Checks room first.
+        """
+        device = cache.keys.device
+        cu_q = cu_q.to(device=device, dtype=torch.int32)
+        slots = slots.to(device=device, dtype=torch.int32)
+        num_new = (cu_q[1:] - cu_q[:-1]).long()
+        slot_list, lengths = slots.tolist(), [cache.lengths[s] for s in slots.tolist()]  # host sync
+        for slot, n in zip(slot_list, num_new.tolist(), strict=True):
+            cache.check_room(slot, n)  # before any compute
+        prefix_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        num_rows = int(cu_q[-1]) if len(slot_list) else 0
+        row_request = torch.repeat_interleave(torch.arange(len(slot_list), device=device), num_new)
+        row_index = torch.arange(num_rows, device=device) - cu_q[:-1].long()[row_request]
+        row_prefix = prefix_lens.long()[row_request]
+        q_positions = row_prefix + (row_index if depth is None else depth.to(device).long())
+        return cls(
+            cache=cache,
+            cu_q=cu_q,
+            slots=slots,
+            prefix_lens=prefix_lens,
+            tree_mask=None if tree_mask is None else tree_mask.to(device),
+            q_positions=q_positions.to(torch.int32),
+            row_slots=slots.long()[row_request],
+            row_pos=row_prefix + row_index,
+            single=(slot_list[0], lengths[0]) if len(slot_list) == 1 else None,
+            backend=backend,
+        )
+
 
 def _treespec_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention hook: [1, H, T, D] in, ([1, T, Hq, D], None) out."""
@@ -94,23 +162,11 @@ def _treespec_attention(module, query, key, value, attention_mask, scaling=None,
         )
     layer = module.layer_idx
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
-    if step.single is not None:
-        step.cache.write_run(layer, *step.single, k, v)
-    else:
-        step.cache.write(layer, step.row_slots, step.row_pos, k, v)
+    step.write(layer, k, v)
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     softcap = kwargs.get("softcap")  # only models whose attention passes it use it (Gemma 2 does)
     sm_scale = scaling if scaling is not None else module.head_dim**-0.5
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
-    if step.backend == "triton":
-        out = tree_attention_triton(
-            q.contiguous(), k_cache, v_cache, step.cu_q, step.slots, step.prefix_lens, step.tree_mask,
-            sm_scale=sm_scale, window=window, softcap=softcap, q_positions=step.q_positions,
-            schedule=step.schedule(q.shape[1] // k_cache.shape[1]),
-        )  # fmt: skip
-    else:
-        out = attend(q, k_cache, v_cache, step.plan(window), sm_scale=sm_scale, softcap=softcap)
+    out = step.attend(layer, query[0].transpose(0, 1), sm_scale=sm_scale, window=window, softcap=softcap)
     return out[None], None
 
 
@@ -221,29 +277,8 @@ class Target:
         ``return_hidden=False`` (with no ``hidden_layers``) skips collecting hidden states.
         """
         device = self.device
-        cu_q = cu_q.to(device=device, dtype=torch.int32)
-        slots = slots.to(device=device, dtype=torch.int32)
-        num_new = (cu_q[1:] - cu_q[:-1]).long()
-        slot_list, lengths = slots.tolist(), [cache.lengths[s] for s in slots.tolist()]  # host sync
-        for slot, n in zip(slot_list, num_new.tolist(), strict=True):
-            cache.check_room(slot, n)  # before any compute
-        prefix_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-        row_request = torch.repeat_interleave(torch.arange(len(slots), device=device), num_new)
-        row_index = torch.arange(len(tokens), device=device) - cu_q[:-1].long()[row_request]
-        row_prefix = prefix_lens.long()[row_request]
-        q_positions = row_prefix + (row_index if depth is None else depth.to(device).long())
-        step = StepMetadata(
-            cache=cache,
-            cu_q=cu_q,
-            slots=slots,
-            prefix_lens=prefix_lens,
-            tree_mask=None if tree_mask is None else tree_mask.to(device),
-            q_positions=q_positions.to(torch.int32),
-            row_slots=slots.long()[row_request],
-            row_pos=row_prefix + row_index,
-            single=(slot_list[0], lengths[0]) if len(slot_list) == 1 else None,
-            backend=self.attention_backend,
-        )
+        step = StepMetadata.build(cache, cu_q, slots, tree_mask, depth, backend=self.attention_backend)
+        q_positions = step.q_positions.long()
         out = self.model(
             input_ids=tokens.to(device)[None],
             position_ids=q_positions[None],

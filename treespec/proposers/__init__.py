@@ -2,7 +2,15 @@
 
 from treespec.proposers.base import ProposalRequest, Proposer
 from treespec.proposers.draft import DraftModelProposer
+from treespec.proposers.eagle import EagleProposer
 from treespec.proposers.medusa import MedusaProposer
 from treespec.proposers.ngram import NgramProposer
 
-__all__ = ["DraftModelProposer", "MedusaProposer", "NgramProposer", "ProposalRequest", "Proposer"]
+__all__ = [
+    "DraftModelProposer",
+    "EagleProposer",
+    "MedusaProposer",
+    "NgramProposer",
+    "ProposalRequest",
+    "Proposer",
+]

@@ -55,7 +55,9 @@ class Proposer(Protocol):
         prefill chunk: ``hidden[j]`` is the hidden state of the position just before
         ``tokens[j]`` (pairs (h_t, x_{t+1}), carried across chunk boundaries, so that any
         chunking delivers the same pairs; the prompt's last state comes with the first
-        generated token through ``observe``).
+        generated token through ``observe``). A proposer that names ``hidden_layers`` (EAGLE-3)
+        gets, instead of the final state, the concatenated inputs of those target layers (HF
+        ``hidden_states`` indices, 0 = the embeddings): rows of width ``len(hidden_layers) * H``.
         """
         ...
 

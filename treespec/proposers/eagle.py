@@ -1,0 +1,250 @@
+"""EAGLE: feature-level autoregressive drafting with an EAGLE-2 dynamic tree.
+
+The head keeps its own one-layer KV cache over the whole context. Cache position t holds the
+pair (f_t, x_{t+1}): the target's feature at position t and the token after it. Pairs arrive
+from the engine (``observe_prefill`` for every prefill chunk, with the one-token carry across
+chunk boundaries; ``observe`` after every step, one pair per committed token) and are run
+through the head as chains and committed:
+
+- a prefill chunk's pairs run at once, so the head's prefill proceeds chunk by chunk;
+- the pairs of the tokens committed last step wait for the next ``propose`` and run as one
+  batched catch-up chain. They carry the target's features, not the head's guesses: the
+  accepted path is committed to the head's cache as the target saw it (as EAGLE does). The last
+  pair (f_{n-1}, root) gives h_{n-1}, the feature the root's children are drafted from.
+
+Drafting (``tree.build_dynamic_tree``): the root's top-k children start the frontier; each
+expansion runs the frontier's k nodes through the head as pairs (parent's output, node token),
+their K/V written past the committed context, attending to the context and to their ancestors
+among the nodes drafted so far (one tree mask, same attention backends as the target). Nothing
+drafted is committed: the next catch-up writes what the target accepted. Children are top-k,
+so the deterministic-children rule verifies them losslessly at any temperature.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from treespec.cache import KVCache
+from treespec.heads.eagle import EagleHead, default_feature_layers
+from treespec.kernels.tree_attention import resolve_backend
+from treespec.proposers.base import ProposalRequest
+from treespec.target import StepMetadata
+from treespec.tree import BITS_PER_WORD, TokenTree, build_dynamic_tree, words_to_tensor
+
+
+class EagleProposer:
+    sampled_children = False
+    needs_hidden = True
+
+    def __init__(
+        self,
+        head: EagleHead,
+        target_model: PreTrainedModel,
+        *,
+        depth: int = 5,
+        top_k: int = 8,
+        total_tokens: int = 31,
+        max_batch_size: int = 8,
+        max_len: int | None = None,
+        attention_backend: str = "auto",
+    ) -> None:
+        """``total_tokens`` drafted nodes at most (the root not counted), ``depth`` levels, each
+        expansion keeping the ``top_k`` best children of the ``top_k`` best frontier nodes."""
+        config = head.config
+        target_config = target_model.config.get_text_config()
+        target_vocab = target_model.get_output_embeddings().weight.shape[0]
+        if config.hidden_size != target_config.hidden_size:
+            raise ValueError(
+                f"the EAGLE head has hidden size {config.hidden_size}, the target {target_config.hidden_size}"
+            )
+        if config.vocab_size != target_vocab:
+            raise ValueError(
+                f"the EAGLE head has a vocabulary of {config.vocab_size}, the target {target_vocab}"
+            )
+        num_layers = target_config.num_hidden_layers
+        layers = () if not config.eagle3 else config.feature_layers or default_feature_layers(num_layers)
+        if any(not 0 <= layer < num_layers for layer in layers):
+            raise ValueError(
+                f"feature_layers {layers} must lie in [0, {num_layers - 1}] (the target has {num_layers} layers)"
+            )
+        capacity = top_k + (depth - 1) * top_k * top_k if top_k >= 1 and depth >= 1 else 0
+        if not (1 <= top_k <= config.readout_size and depth >= 1 and 1 <= total_tokens <= capacity):
+            raise ValueError(
+                f"need 1 <= top_k <= the head's read-out vocabulary ({config.readout_size}), depth >= 1 and "
+                f"1 <= total_tokens <= top_k + (depth - 1) * top_k^2; got top_k={top_k}, depth={depth}, "
+                f"total_tokens={total_tokens}"
+            )
+        self.head = head.eval()
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.max_tree_nodes = total_tokens + 1
+        self.vocab_size = target_vocab
+        self.hidden_layers = layers  # the engine hands these layers' inputs over (EAGLE-3)
+        self.embed = target_model.get_input_embeddings()
+        self.lm_head = target_model.get_output_embeddings()
+        weight = self.head.fc.weight
+        self.backend = resolve_backend(attention_backend, weight.device)
+        max_len = max_len or min(4096, getattr(target_config, "max_position_embeddings", 4096) or 4096)
+        drafted = 1 + (depth - 1) * top_k  # nodes run through the head per step, root pair included
+        self.cache = KVCache(
+            1, max_batch_size, config.num_key_value_heads, max_len + drafted, config.head_dim,
+            dtype=weight.dtype, device=weight.device,
+        )  # fmt: skip
+        self.sm_scale = config.head_dim**-0.5
+        self._slot: dict[int, int] = {}  # request id -> head cache slot
+        self._pending: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # pairs not yet run
+
+    # ---------------------------------------------------------------------------------------
+    # What the engine tells the head
+    # ---------------------------------------------------------------------------------------
+
+    def observe_prefill(self, request_id: int, tokens: list[int], hidden: torch.Tensor) -> None:
+        """Run one prefill chunk's pairs (hidden[j], tokens[j]) through the head now."""
+        self._pending.setdefault(request_id, []).append((list(tokens), hidden))
+        self._catch_up([request_id])
+
+    def observe(self, request_id: int, committed: list[int], hidden: torch.Tensor | None = None) -> None:
+        if hidden is None:
+            raise ValueError("EagleProposer needs the target's hidden states (needs_hidden = True)")
+        if committed:
+            self._pending.setdefault(request_id, []).append((list(committed), hidden))
+
+    def release(self, request_id: int) -> None:
+        self._pending.pop(request_id, None)
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self.cache.free(slot)
+
+    # ---------------------------------------------------------------------------------------
+    # Drafting
+    # ---------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposalRequest]) -> TokenTree:
+        ids = [r.request_id for r in requests]
+        if any(not self._pending.get(i) for i in ids):
+            raise RuntimeError("propose() before observe(): the head has no pair ending at the root")
+        root_features = self._catch_up(ids)  # [B, H]: h_{n-1}, the feature after the root
+        # A request never gets a tree deeper than it can still commit; grouping by that depth
+        # makes each request's tree independent of the batch it is proposed in.
+        depths = [min(self.depth, r.max_new - 1) for r in requests]
+        if len(set(depths)) == 1:
+            return self._draft(requests, root_features, depths[0])
+        trees: list[tuple[list[int], list[int]] | None] = [None] * len(requests)
+        for depth in sorted(set(depths)):
+            members = [b for b, d in enumerate(depths) if d == depth]
+            tree = self._draft([requests[b] for b in members], root_features[members], depth)
+            cu = tree.cu_nodes.tolist()
+            for i, b in enumerate(members):
+                trees[b] = (tree.tokens[cu[i] : cu[i + 1]].tolist(), tree.parents[cu[i] : cu[i + 1]].tolist())
+        return TokenTree.from_lists([t[0] for t in trees], [t[1] for t in trees])
+
+    def _draft(self, requests: list[ProposalRequest], root_features: torch.Tensor, depth: int) -> TokenTree:
+        """One EAGLE-2 tree of ``depth`` levels per request, all of them the same depth."""
+        if depth < 1:
+            return TokenTree.from_lists([[r.tokens[-1]] for r in requests])
+        ids = [r.request_id for r in requests]
+        k = self.top_k
+        num_nodes = min(self.total_tokens, k + (depth - 1) * k * k)
+        root_logprobs = self.head.log_probs(root_features, self.lm_head)  # [B, V]
+        slots = torch.tensor([self._slot[i] for i in ids])
+        drafted_parents: list[list[int]] = [[] for _ in ids]  # per run node: its parent run node (-1: root)
+        outputs: list[torch.Tensor] = []  # per expansion: the head's outputs [B, K, H]
+
+        def expand(step: int, frontier_tokens: torch.Tensor, frontier_ids: torch.Tensor) -> torch.Tensor:
+            if step == 1:
+                parent_slots = None
+                features = root_features[:, None].expand(-1, k, -1)
+            else:  # frontier id -> slot of its parent in the previous expansion
+                parent_slots = (frontier_ids - 1 - k - (step - 2) * k * k) // k  # [B, K]
+                features = outputs[-1].gather(
+                    1, parent_slots[..., None].expand(-1, -1, outputs[-1].shape[-1])
+                )
+            for b in range(len(ids)):
+                base = (step - 2) * k
+                drafted_parents[b] += [-1] * k if parent_slots is None else (base + parent_slots[b]).tolist()
+            h = self._run_level(slots, frontier_tokens, features, drafted_parents, step)
+            outputs.append(h)
+            return self.head.log_probs(h.flatten(0, 1), self.lm_head).view(len(ids), k, -1)
+
+        roots = torch.tensor([r.tokens[-1] for r in requests])
+        return build_dynamic_tree(roots, root_logprobs, expand, top_k=k, depth=depth, num_nodes=num_nodes)
+
+    def _run_level(
+        self,
+        slots: torch.Tensor,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        drafted_parents: list[list[int]],
+        step: int,
+    ) -> torch.Tensor:
+        """Run one expansion's frontier [B, K] through the head, on top of the committed context
+        and the nodes drafted before it. Returns the head's outputs [B, K, H]."""
+        batch, k = tokens.shape
+        num_drafted = step * k  # all nodes run this step so far, this level's the last k
+        masks = []
+        for parents in drafted_parents:
+            rows: list[int] = []
+            for node, parent in enumerate(parents):
+                rows.append((1 << node) | (rows[parent] if parent >= 0 else 0))
+            masks.append(words_to_tensor(rows, -(-num_drafted // BITS_PER_WORD)))
+        depth = torch.arange(num_drafted) // k  # run node j sits at depth j // k + 1: position L + j // k
+        meta = StepMetadata.build(
+            self.cache,
+            torch.arange(batch + 1, dtype=torch.int32) * num_drafted,
+            slots,
+            torch.cat(masks),
+            depth.repeat(batch),
+            backend=self.backend,
+        )
+        new_rows = (
+            torch.arange(batch)[:, None] * num_drafted + (num_drafted - k) + torch.arange(k)
+        ).flatten()
+
+        def attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            self.cache.write(0, meta.row_slots[new_rows], meta.row_pos[new_rows], key, value)
+            q_all = q.new_zeros(batch * num_drafted, *q.shape[1:])  # earlier nodes' rows are unused
+            q_all[new_rows] = q
+            return meta.attend(0, q_all, sm_scale=self.sm_scale)[new_rows]
+
+        weight = self.head.fc.weight
+        h = self.head(
+            self.embed(tokens.flatten()).to(weight.dtype),
+            features.flatten(0, 1).to(weight.dtype),
+            meta.q_positions.long()[new_rows],
+            attention,
+        )
+        return h.view(batch, k, -1)
+
+    @torch.inference_mode()
+    def _catch_up(self, request_ids: list[int]) -> torch.Tensor:
+        """Run every pending pair of these requests as chains and commit them to the head's cache.
+
+        Returns the head's output at each request's last pair [B, H]."""
+        for rid in request_ids:
+            if rid not in self._slot:
+                self._slot[rid] = self.cache.allocate()
+        tokens, features, counts = [], [], []
+        for rid in request_ids:
+            pairs = self._pending.pop(rid, [])
+            tokens += [t for chunk, _ in pairs for t in chunk]
+            features += [hidden for _, hidden in pairs]
+            counts.append(sum(len(chunk) for chunk, _ in pairs))
+        slots = torch.tensor([self._slot[rid] for rid in request_ids])
+        cu_q = torch.tensor([0, *counts]).cumsum(0).to(torch.int32)
+        meta = StepMetadata.build(self.cache, cu_q, slots, backend=self.backend)
+
+        def attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            meta.write(0, key, value)
+            return meta.attend(0, q, sm_scale=self.sm_scale)
+
+        weight = self.head.fc.weight
+        fused = self.head.fuse(torch.cat(features).to(weight.dtype))
+        h = self.head(
+            self.embed(torch.tensor(tokens, device=weight.device)).to(weight.dtype),
+            fused,
+            meta.q_positions.long(),
+            attention,
+        )
+        self.cache.commit(slots.tolist(), [list(range(n)) for n in counts])
+        return h[(cu_q[1:] - 1).long()]

@@ -8,6 +8,7 @@ Each top-level command is added by one ``_add_<command>_parser(subparsers)`` fun
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_models_parser(subparsers)
     _add_bench_parser(subparsers)
+    _add_train_heads_parser(subparsers)
     return parser
 
 
@@ -160,6 +162,108 @@ def _bench(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     run(config, out_path=args.out or "bench_results/bench.json")
+    return EXIT_OK
+
+
+def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
+    train = subparsers.add_parser(
+        "train-heads",
+        help="self-distil training data from a target, then train EAGLE / Medusa heads or a draft model",
+        description="Two stages: 'data' (the target answers prompts; shards of tokens and hidden states) "
+        "and 'train' (one kind of head on that data). Both resume where they stopped.",
+    )
+    stages = train.add_subparsers(dest="stage", metavar="STAGE", required=True)
+    data = stages.add_parser("data", help="generate the self-distilled data set")
+    data.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
+    data.add_argument("--out", required=True, help="data folder (resumed when it exists)")
+    data.add_argument("--prompts", action="append", default=[],
+                      help="extra prompt file (JSONL: turns[0]/question/prompt, or one per line); repeatable")  # fmt: skip
+    data.add_argument("--no-builtin-prompts", action="store_true", help="only the --prompts files")
+    data.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    data.add_argument("--max-new-tokens", type=int, default=128)
+    data.add_argument("--batch-size", type=int, default=8)
+    data.add_argument("--shard-size", type=int, default=32, help="prompts per shard")
+    data.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    data.set_defaults(handler=_train_heads_data)
+
+    fit = stages.add_parser("train", help="train one kind of head on a data folder")
+    fit.add_argument("--kind", required=True, choices=["eagle", "eagle3", "medusa", "draft"])
+    fit.add_argument("--model", default="smollm2-135m-instruct")
+    fit.add_argument("--data", required=True, help="folder written by 'treespec train-heads data'")
+    fit.add_argument("--out", required=True, help="run folder: checkpoint.pt, report.json, head/")
+    fit.add_argument("--epochs", type=int, default=2)
+    fit.add_argument("--lr", type=float, default=1e-3)
+    fit.add_argument("--warmup-steps", type=int, default=20)
+    fit.add_argument("--batch-tokens", type=int, default=2048)
+    fit.add_argument("--max-seq-len", type=int, default=512)
+    fit.add_argument("--grad-clip", type=float, default=0.5)
+    fit.add_argument("--medusa-heads", type=int, default=3)
+    fit.add_argument("--draft-layers", type=int, default=2)
+    fit.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3's reduced vocabulary")
+    fit.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: each epoch)")
+    fit.add_argument(
+        "--eval-prompts", type=int, default=8, help="dev prompts for the per-epoch tau (0: none)"
+    )
+    fit.add_argument("--eval-new-tokens", type=int, default=128)
+    fit.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")
+    fit.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--threads", type=int, default=None)
+    fit.set_defaults(handler=_train_heads_train)
+
+
+def _train_heads_data(args: argparse.Namespace) -> int:
+    import torch
+
+    from treespec.heads.data import write_dataset
+    from treespec.heads.eagle import default_feature_layers
+    from treespec.heads.prompts import read_prompt_file, train_prompts
+    from treespec.prompts import encode_prompts
+
+    texts = [] if args.no_builtin_prompts else train_prompts()
+    for path in args.prompts:
+        texts += read_prompt_file(path)
+    if args.num_prompts is not None:
+        texts = texts[: args.num_prompts]
+    if not texts:
+        raise ValueError("no prompts: give --prompts FILE or drop --no-builtin-prompts")
+    model, tokenizer = models.load(
+        args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    )
+    layers = default_feature_layers(model.config.get_text_config().num_hidden_layers)
+    manifest = write_dataset(
+        model, encode_prompts(tokenizer, texts), args.out, feature_layers=layers,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, shard_size=args.shard_size,
+    )  # fmt: skip
+    tokens = sum(s["tokens"] for s in manifest["shards"])
+    print(f"{args.out}: {len(texts)} prompts, {tokens} tokens with hidden states")
+    return EXIT_OK
+
+
+def _train_heads_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from treespec.heads.data import HeadDataset
+    from treespec.heads.prompts import DEV_PROMPTS
+    from treespec.heads.train import TrainConfig, train
+    from treespec.prompts import encode_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = models.load(args.model, dtype=torch.float32)
+    data = HeadDataset(args.data, model)
+    config = TrainConfig(
+        kind=args.kind, epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps,
+        batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len, grad_clip=args.grad_clip,
+        medusa_heads=args.medusa_heads, draft_layers=args.draft_layers, draft_vocab_size=args.draft_vocab_size,
+        checkpoint_every=args.checkpoint_every, eval_new_tokens=args.eval_new_tokens,
+        eval_prompts=args.eval_prompts, seed=args.seed,
+    )  # fmt: skip
+    dev = encode_prompts(tokenizer, DEV_PROMPTS) if args.eval_prompts else None
+    report = train(
+        config, model, data, args.out, resume=args.resume, eval_prompts=dev, max_steps=args.max_steps
+    )
+    print(json.dumps({k: report[k] for k in ("steps", "history", "wall_s", "data_tokens")}, indent=1))
     return EXIT_OK
 
 

@@ -1,0 +1,405 @@
+"""Training EAGLE heads, Medusa heads and draft models on self-distilled data (heads/data.py).
+
+Losses (per position t of a sequence x_0 .. x_{n-1} with the target's final hidden states h and
+its distribution p_t = softmax(lm_head(h_t)) over x_{t+1}):
+
+- ``eagle`` (EAGLE-1): the head reads pairs (h_t + noise, x_{t+1}) and outputs o_t; loss =
+  SmoothL1(o_t, h_{t+1}) + 0.1 * CE(lm_head(o_t), p_{t+1}) (the EAGLE paper's feature
+  regression plus token cross-entropy against the target's distribution).
+- ``eagle3``: pairs (three-layer features, x_{t+1}); loss = CE of the head's draft-vocabulary
+  read-out against p_{t+1} restricted to the draft vocabulary (the ``draft_vocab_size`` tokens the
+  target produces most often in the data) and renormalised.
+- ``medusa``: head i reads h_t and is trained with CE against the target's own token
+  x_{t+i+2} (offsets 2, 3, ...), on answer positions only, weighted 0.8^i.
+- ``draft``: the target's first layers (heads/draft.py) trained with CE against p_t at every
+  position (distillation on the target's distribution).
+
+AdamW, linear warm-up then cosine decay to 10 %, gradient clipping, a checkpoint after every
+epoch (and every ``checkpoint_every`` steps) that ``resume`` continues from exactly (model,
+optimiser, schedule, data order), tau through the real engine at T=0 on the dev prompts after
+each epoch, and a JSON report. Under ``torchrun`` it trains with DDP (gloo), each rank taking
+every world-th batch; rank 0 writes and evaluates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from treespec.heads.data import HeadDataset, Sequence
+from treespec.heads.draft import make_draft, save_draft
+from treespec.heads.eagle import EagleConfig, EagleHead
+from treespec.heads.medusa import MedusaConfig, MedusaHeads
+
+KINDS = ("eagle", "eagle3", "medusa", "draft")
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass
+class TrainConfig:
+    kind: str
+    epochs: int = 2
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    batch_tokens: int = 2048
+    max_seq_len: int = 512
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    feature_noise: float = 0.1  # EAGLE-1: uniform noise on the input features
+    medusa_heads: int = 3
+    draft_layers: int = 2
+    draft_vocab_size: int = 8192  # EAGLE-3
+    checkpoint_every: int = 0  # steps; 0: only at the end of each epoch
+    eval_new_tokens: int = 128
+    eval_prompts: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# The module each kind trains
+# --------------------------------------------------------------------------------------------
+
+
+def build_module(config: TrainConfig, target: PreTrainedModel, data: HeadDataset) -> nn.Module:
+    torch.manual_seed(config.seed)
+    if config.kind in ("eagle", "eagle3"):
+        draft_vocab = None
+        if config.kind == "eagle3":
+            draft_vocab = min(config.draft_vocab_size, target.get_output_embeddings().weight.shape[0])
+        head = EagleHead(
+            EagleConfig.from_target(
+                target.config,
+                eagle3=config.kind == "eagle3",
+                feature_layers=data.feature_layers if config.kind == "eagle3" else None,
+                draft_vocab_size=draft_vocab,
+            )
+        )
+        for p in head.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+        if config.kind == "eagle3":
+            ids = frequent_tokens(data, draft_vocab, head.config.vocab_size)
+            head.d2t.copy_(ids - torch.arange(draft_vocab))
+        return head
+    if config.kind == "medusa":
+        hidden = target.config.get_text_config().hidden_size
+        return MedusaHeads(MedusaConfig(hidden, target.get_output_embeddings().weight.shape[0],
+                                        num_heads=config.medusa_heads, num_layers=1, own_lm_head=False))  # fmt: skip
+    draft = make_draft(target, config.draft_layers)
+    draft.float()
+    return draft
+
+
+def frequent_tokens(data: HeadDataset, k: int, vocab_size: int) -> torch.Tensor:
+    """The k tokens that occur most in the data, sorted by id: an EAGLE-3 draft vocabulary."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for seq in data:
+        counts += torch.bincount(seq.tokens, minlength=vocab_size)
+    return counts.topk(k).indices.sort().values  # ties: torch.topk's order
+
+
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+# --------------------------------------------------------------------------------------------
+# Batches and losses
+# --------------------------------------------------------------------------------------------
+
+
+def make_batches(sequences: list[Sequence], config: TrainConfig, epoch: int) -> list[list[int]]:
+    """Sequence indices per batch, shuffled per epoch (seeded), at most batch_tokens each."""
+    order = list(range(len(sequences)))
+    random.Random(config.seed * 1000 + epoch).shuffle(order)
+    batches, current, size = [], [], 0
+    for i in order:
+        n = min(len(sequences[i].tokens), config.max_seq_len)
+        if current and size + n > config.batch_tokens:
+            batches.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _flat(
+    sequences: list[Sequence], max_len: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """Per sequence (tokens, hidden, features, prompt_len), cut to max_len positions, in fp32."""
+    return [(s.tokens[:max_len], s.hidden[:max_len].float(), s.features[:max_len].float(), s.prompt_len)
+            for s in sequences]  # fmt: skip
+
+
+def block_causal_attention(lengths: list[int]):
+    """An attention callable over flat rows holding several sequences back to back."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+
+    def attention(q, k, v):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask[None, None], enable_gqa=True,
+        )  # fmt: skip
+        return out[0].transpose(0, 1)
+
+    return attention, pos
+
+
+def soft_ce(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    return -(target_probs * torch.log_softmax(logits.float(), -1)).sum(-1).mean()
+
+
+def eagle_loss(head: EagleHead, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
+    lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
+    rows = _flat(batch, config.max_seq_len)
+    lengths = [len(t) - 1 for t, *_ in rows]
+    tokens = torch.cat([t[1:] for t, *_ in rows])  # x_{t+1}
+    eagle3 = head.config.eagle3
+    features = torch.cat([(f if eagle3 else h)[:-1] for t, h, f, _ in rows])
+    next_hidden = torch.cat([h[1:] for t, h, f, _ in rows])  # h_{t+1}
+    if not eagle3 and config.feature_noise:
+        features = features + (torch.rand_like(features) * 2 - 1) * config.feature_noise
+    attention, pos = block_causal_attention(lengths)
+    with torch.no_grad():
+        teacher = lm_head(next_hidden).float()
+        embeds = embed(tokens).float()
+    out = head(embeds, head.fuse(features), pos, attention)
+    if eagle3:
+        ids = head.target_ids()
+        probs = torch.softmax(teacher[:, ids], -1)
+        return soft_ce(head.logits(out, lm_head), probs)
+    regression = F.smooth_l1_loss(out, next_hidden)
+    return regression + 0.1 * soft_ce(lm_head(out), torch.softmax(teacher, -1))
+
+
+def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
+    rows = _flat(batch, config.max_seq_len)
+    logits = heads(torch.cat([h for _, h, _, _ in rows]), target.get_output_embeddings())  # [N, K, V]
+    starts = torch.tensor([0, *[len(t) for t, *_ in rows]]).cumsum(0).tolist()
+    total, weights = logits.new_zeros(()), 0.0
+    for i in range(heads.config.num_heads):
+        offset = i + 2  # head i at position t guesses x_{t+i+2}
+        rows_i, labels = [], []
+        for (tokens, _, _, prompt_len), start in zip(rows, starts, strict=False):
+            first = max(prompt_len - offset, 0)  # only labels the target generated
+            if len(tokens) - offset > first:
+                rows_i.append(torch.arange(start + first, start + len(tokens) - offset))
+                labels.append(tokens[first + offset :])
+        if rows_i:
+            total = total + 0.8**i * F.cross_entropy(logits[torch.cat(rows_i), i], torch.cat(labels))
+            weights += 0.8**i
+    return total / weights if weights else logits.sum() * 0
+
+
+def draft_loss(draft: PreTrainedModel, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
+    lm_head = target.get_output_embeddings()
+    rows = _flat(batch, config.max_seq_len)
+    width = max(len(t) for t, *_ in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, (tokens, *_rest) in enumerate(rows):
+        ids[b, : len(tokens)], mask[b, : len(tokens)] = tokens, 1
+    logits = draft(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    keep = mask.bool()
+    with torch.no_grad():
+        teacher = torch.softmax(lm_head(torch.cat([h for _, h, _, _ in rows])).float(), -1)
+    return soft_ce(logits[keep], teacher)
+
+
+LOSSES = {"eagle": eagle_loss, "eagle3": eagle_loss, "medusa": medusa_loss, "draft": draft_loss}
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+
+def lr_lambda(config: TrainConfig, total_steps: int):
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def train(
+    config: TrainConfig,
+    target: PreTrainedModel,
+    data: HeadDataset,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    eval_prompts: list[list[int]] | None = None,
+    max_steps: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Train one kind; returns (and writes to out_dir/report.json) the report."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rank, world = _distributed()
+    target.requires_grad_(False)
+    target.float()
+    sequences = data.sequences()
+    module = build_module(config, target, data)
+    model = module
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(module)
+    optimizer = torch.optim.AdamW(
+        trainable(module), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
+    )
+    steps_per_epoch = math.ceil(len(make_batches(sequences, config, 0)) / world)
+    total_steps = steps_per_epoch * config.epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total_steps))
+    state = {"step": 0, "epoch": 0, "history": []}
+    if resume and (out_dir / CHECKPOINT).is_file():
+        state = load_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler)
+    loss_fn = LOSSES[config.kind]
+    start = time.perf_counter()
+    bar = tqdm(
+        total=total_steps, initial=state["step"], desc=f"train {config.kind}", disable=not progress or rank
+    )
+    stopped = False
+    while state["epoch"] < config.epochs and not stopped:
+        epoch = state["epoch"]
+        batches = make_batches(sequences, config, epoch)[rank::world]
+        first = state["step"] - epoch * steps_per_epoch
+        losses = []
+        module.train()
+        for batch in batches[first:]:
+            loss = loss_fn(model, target, [sequences[i] for i in batch], config)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable(module), config.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            state["step"] += 1
+            losses.append(loss.item())
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+            if rank == 0 and config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
+                save_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler, state)
+            if max_steps is not None and state["step"] >= max_steps:
+                stopped = True
+                break
+        if stopped and state["step"] - epoch * steps_per_epoch < len(batches):
+            break  # a partial epoch: no evaluation, the checkpoint resumes mid-epoch
+        state["epoch"] += 1
+        record = {"epoch": epoch + 1, "steps": state["step"], "mean_loss": sum(losses) / max(len(losses), 1)}
+        if rank == 0 and eval_prompts:
+            record["tau"] = evaluate_tau(config, module, target, eval_prompts)
+        state["history"].append(record)
+        if rank == 0:
+            save_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler, state)
+            tqdm.write(json.dumps(record))
+    bar.close()
+    if rank == 0 and stopped:
+        save_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler, state)
+    report = {"config": asdict(config), "steps": state["step"], "epochs_done": state["epoch"],
+              "history": state["history"], "wall_s": time.perf_counter() - start,
+              "data_tokens": data.num_tokens, "data_sequences": len(sequences),
+              "trainable_params": sum(p.numel() for p in trainable(module))}  # fmt: skip
+    if rank == 0:
+        save_module(config, module, out_dir / "head")
+        (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def save_module(config: TrainConfig, module: nn.Module, folder: Path) -> Path:
+    if config.kind == "draft":
+        return save_draft(module, folder)
+    bf16 = type(module)(module.config)
+    bf16.load_state_dict(module.state_dict())
+    return bf16.to(torch.bfloat16).save(folder)
+
+
+def proposer_for(config: TrainConfig, module: nn.Module, target: PreTrainedModel):
+    """The proposer tau is measured with: a dynamic tree of at most 32 nodes (Medusa: a static
+    tree of 31 nodes over its heads)."""
+    from treespec.proposers import DraftModelProposer, EagleProposer, MedusaProposer
+
+    if config.kind in ("eagle", "eagle3"):
+        return EagleProposer(module, target, depth=5, top_k=8, total_tokens=31)
+    if config.kind == "medusa":
+        return MedusaProposer(module, target, tree=medusa_tree(module.config.num_heads))
+    return DraftModelProposer(module, target_model=target, dynamic=(4, 5, 31))
+
+
+def medusa_tree(num_heads: int):
+    """31 nodes over num_heads levels, widest near the root (Medusa's sparse trees are alike)."""
+    from treespec.tree import TreeShape
+
+    widths = [8, 4, 2, 2, 2][:num_heads]
+    paths, frontier = [], [()]
+    for depth, width in enumerate(widths):
+        frontier = [p + (r,) for p in frontier[: max(1, 16 // (depth + 1))] for r in range(width)]
+        paths += frontier
+    return TreeShape.from_paths(paths[:31])
+
+
+@torch.inference_mode()
+def evaluate_tau(
+    config: TrainConfig, module: nn.Module, target: PreTrainedModel, prompts: list[list[int]]
+) -> float:
+    """Mean tokens per target step through the real engine, T=0, batch 1."""
+    import treespec
+
+    module.eval()
+    lengths = []
+    for prompt in prompts[: config.eval_prompts]:
+        out = treespec.generate(target, [prompt], max_new_tokens=config.eval_new_tokens,
+                                proposer=proposer_for(config, module, target))  # fmt: skip
+        lengths += out.stats.accepted_lengths[0]
+    module.train()
+    return sum(lengths) / max(len(lengths), 1)
+
+
+def save_checkpoint(path: Path, config, module, optimizer, scheduler, state) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"kind": config.kind, "state": state, "module": module.state_dict(),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": torch.get_rng_state()}, tmp)  # fmt: skip
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, config, module, optimizer, scheduler) -> dict:
+    saved = torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
+    if saved["kind"] != config.kind:
+        raise ValueError(
+            f"{path} is a checkpoint of a {saved['kind']!r} run; this run trains {config.kind!r}"
+        )
+    module.load_state_dict(saved["module"])
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    torch.set_rng_state(saved["rng"])  # the feature noise continues as if never stopped
+    return saved["state"]
+
+
+def _distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        return dist.get_rank(), world
+    return 0, 1

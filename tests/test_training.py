@@ -1,0 +1,170 @@
+"""Head training: the data writer and reader, losses that fall, exact resume, trained heads that
+load and propose, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build, hf_greedy
+
+import treespec
+from treespec import heads as heads_module
+from treespec.heads import data as data_module
+from treespec.heads.data import HeadDataset, write_dataset
+from treespec.heads.prompts import DEV_PROMPTS, read_prompt_file, train_prompts
+from treespec.heads.train import LOSSES, TrainConfig, build_module, train, trainable
+
+PROMPTS = [list(range(5, 12)), [20, 21, 22], list(range(30, 45)), [7, 8], [50, 51, 52, 53], [90, 3]]
+LAYERS = (0, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    model = build("llama")
+    with torch.no_grad():  # a confident target (a random one is near uniform: nothing to learn)
+        model.lm_head.weight.mul_(8)
+    folder = tmp_path_factory.mktemp("data")
+    write_dataset(model, PROMPTS, folder, feature_layers=LAYERS, max_new_tokens=12, batch_size=4,
+                  shard_size=4, progress=False)  # fmt: skip
+    return model, folder
+
+
+def test_data_round_trip_is_exact(tiny_data):
+    model, folder = tiny_data
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [s["prompt_ids"] for s in manifest["shards"]] == [[0, 1, 2, 3], [4, 5]]
+    sequences = HeadDataset(folder, model).sequences()
+    for prompt, seq in zip(PROMPTS, sequences, strict=True):
+        answer = hf_greedy(model, prompt, 12)
+        assert seq.tokens.tolist() == prompt + answer and seq.prompt_len == len(prompt)
+        with torch.no_grad():
+            states = model(seq.tokens[None], output_hidden_states=True).hidden_states
+        assert torch.equal(seq.hidden, states[-1][0].to(torch.bfloat16))
+        want = torch.cat([states[i][0] for i in LAYERS], -1).to(torch.bfloat16)
+        assert torch.equal(seq.features, want)
+
+
+def test_data_resumes_after_a_kill(tiny_data, tmp_path, monkeypatch):
+    model, reference = tiny_data
+    real = data_module._write_shard
+    calls = []
+
+    def dies_on_second(folder, index, ids, records):
+        if calls:
+            raise KeyboardInterrupt  # killed while the second shard was being written
+        calls.append(index)
+        return real(folder, index, ids, records)
+
+    monkeypatch.setattr(data_module, "_write_shard", dies_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(model, PROMPTS, tmp_path, feature_layers=LAYERS, max_new_tokens=12, batch_size=4,
+                      shard_size=4, progress=False)  # fmt: skip
+    assert len(json.loads((tmp_path / "manifest.json").read_text())["shards"]) == 1
+    monkeypatch.setattr(data_module, "_write_shard", real)
+    write_dataset(model, PROMPTS, tmp_path, feature_layers=LAYERS, max_new_tokens=12, batch_size=4,
+                  shard_size=4, progress=False)  # fmt: skip
+    got, want = HeadDataset(tmp_path).sequences(), HeadDataset(reference).sequences()
+    assert [s.tokens.tolist() for s in got] == [s.tokens.tolist() for s in want]
+    assert all(torch.equal(a.hidden, b.hidden) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "draft"])
+def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tiny_data, kind):
+    model, folder = tiny_data
+    data = HeadDataset(folder, model)
+    config = TrainConfig(kind=kind, draft_layers=1, draft_vocab_size=64, medusa_heads=2, feature_noise=0.0)
+    model.float().requires_grad_(False)
+    module = build_module(config, model, data)
+    batch = data.sequences()[:4]
+    optimizer = torch.optim.AdamW(trainable(module), lr=3e-3)
+    losses = []
+    for _ in range(20):
+        loss = LOSSES[kind](module, model, batch, config)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    # Soft targets have a floor (the teacher's entropy): ask for a steady, clear fall.
+    assert losses[-1] < 0.95 * losses[0] and losses == sorted(losses, reverse=True), losses
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_resume_continues_exactly(tiny_data, tmp_path, kind):
+    model, folder = tiny_data
+    data = HeadDataset(folder, model)
+    config = TrainConfig(kind=kind, epochs=2, batch_tokens=40, warmup_steps=2, medusa_heads=2)
+    whole = train(config, model, data, tmp_path / "whole", progress=False)
+    train(config, model, data, tmp_path / "cut", max_steps=3, progress=False)
+    resumed = train(config, model, data, tmp_path / "cut", resume=True, progress=False)
+    assert resumed["steps"] == whole["steps"] > 3
+    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
+    for name, tensor in a["module"].items():
+        assert torch.equal(tensor, b["module"][name]), name
+    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
+    with pytest.raises(ValueError, match="checkpoint of a 'medusa' run; this run trains 'draft'|"
+                       "checkpoint of a 'eagle' run; this run trains 'draft'"):  # fmt: skip
+        train(
+            TrainConfig(kind="draft", draft_layers=1),
+            model,
+            data,
+            tmp_path / "cut",
+            resume=True,
+            progress=False,
+        )
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "draft"])
+def test_trained_head_loads_and_proposes(tiny_data, tmp_path, kind):
+    model, folder = tiny_data
+    data = HeadDataset(folder, model)
+    config = TrainConfig(kind=kind, epochs=1, draft_layers=1, draft_vocab_size=64, medusa_heads=2,
+                         eval_new_tokens=8, eval_prompts=1)  # fmt: skip
+    report = train(config, model, data, tmp_path, eval_prompts=[PROMPTS[0]], progress=False)
+    assert report["history"][0]["tau"] >= 1.0
+    assert json.loads((tmp_path / "report.json").read_text())["steps"] == report["steps"]
+    if kind == "draft":
+        from treespec.heads.draft import load_draft
+        from treespec.proposers import DraftModelProposer
+
+        proposer = DraftModelProposer(load_draft(tmp_path / "head", model), target_model=model)
+    else:
+        from treespec.heads.train import proposer_for
+
+        proposer = proposer_for(config, heads_module.load(tmp_path / "head"), model)
+    out = treespec.generate(model, PROMPTS[:2], max_new_tokens=10, proposer=proposer)
+    assert out.sequences == [hf_greedy(model, p, 10) for p in PROMPTS[:2]]
+
+
+def test_bad_data_and_prompt_files(tiny_data, tmp_path):
+    model, folder = tiny_data
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    wider = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    with pytest.raises(ValueError, match="hidden size 64; this target has 32"):
+        HeadDataset(folder, wider)
+    bigger = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    with pytest.raises(ValueError, match="vocabulary 128; this target has 256"):
+        HeadDataset(folder, bigger)
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        read_prompt_file(tmp_path / "empty.txt")
+    (tmp_path / "bad.jsonl").write_text('{"text": "hi"}\n')
+    with pytest.raises(ValueError, match="turns\\[0\\], question, prompt"):
+        read_prompt_file(tmp_path / "bad.jsonl")
+    with pytest.raises(ValueError, match="prompt list is empty"):
+        write_dataset(model, [], tmp_path / "d", feature_layers=LAYERS)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        TrainConfig(kind="hydra")
+
+
+def test_train_prompts_are_disjoint_from_dev_and_benchmark_prompts():
+    from treespec.prompts import DEFAULT_PROMPTS
+
+    prompts = train_prompts()
+    assert len(prompts) >= 300 and len(set(prompts)) == len(prompts)
+    assert not set(prompts) & (set(DEV_PROMPTS) | set(DEFAULT_PROMPTS))

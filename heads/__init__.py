@@ -32,10 +32,32 @@ __all__ = [
     "load_published_medusa",
     "register",
     "registered",
+    "shipped_for",
     "unregister",
 ]
 
 _REGISTRY: dict[str, Path] = {}
+SHIPPED = Path(__file__).parent / "shipped"  # heads trained by scripts/train_heads.py (docs/training.md)
+# target model name -> kind -> shipped head name
+SHIPPED_FOR = {
+    "smollm2-135m-instruct": {
+        "eagle": "smollm2-135m-instruct-eagle",
+        "medusa": "smollm2-135m-instruct-medusa",
+        "draft": "smollm2-135m-instruct-draft",
+    }
+}
+
+
+def _register_shipped() -> None:
+    for kinds in SHIPPED_FOR.values():
+        for name in kinds.values():
+            if (SHIPPED / name / "config.json").is_file():
+                _REGISTRY[name] = SHIPPED / name
+
+
+def shipped_for(model_name: str) -> dict[str, str]:
+    """The shipped heads for a registered target model, kind -> head name (only those present)."""
+    return {kind: name for kind, name in SHIPPED_FOR.get(model_name, {}).items() if name in _REGISTRY}
 
 
 def register(name: str, folder: str | Path) -> None:
@@ -54,10 +76,17 @@ def registered() -> dict[str, Path]:
     return dict(_REGISTRY)
 
 
-def load(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+def load(
+    name_or_path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    target_model: nn.Module | None = None,
+) -> nn.Module:
     """Load heads by registered name or from a folder: treespec's own layout (``config.json`` +
     ``model.safetensors``, written by ``save``) or a published one (see ``treespec.heads.layouts``).
-    Returns a ``MedusaHeads`` or an ``EagleHead``."""
+    Returns a ``MedusaHeads``, an ``EagleHead``, or (``head_type`` "draft", which needs
+    ``target_model`` for the embeddings and LM head it shares) a draft causal LM."""
     folder = _REGISTRY.get(str(name_or_path)) or Path(name_or_path)
     if not folder.is_dir():
         known = ", ".join(sorted(_REGISTRY)) or "none"
@@ -75,7 +104,16 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, device
         return MedusaHeads.from_folder(folder, dtype=dtype, device=device)
     if head_type == eagle.HEAD_TYPE:
         return EagleHead.from_folder(folder, dtype=dtype, device=device)
+    if head_type == "draft":
+        if target_model is None:
+            raise ValueError(f"{folder} holds a draft model: pass target_model (it shares its tables)")
+        from treespec.heads.draft import load_draft
+
+        return load_draft(folder, target_model)
     raise ValueError(
         f"{folder}: unknown head layout {head_type!r} (known: treespec 'medusa' and 'eagle'; published "
         "Medusa, EAGLE and EAGLE-3)"
     )
+
+
+_register_shipped()

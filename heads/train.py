@@ -261,13 +261,12 @@ def train(
     target.float()
     sequences = data.sequences()
     module = build_module(config, target, data)
-    model = module
-    if world > 1:
-        model = nn.parallel.DistributedDataParallel(module)
     optimizer = torch.optim.AdamW(
         trainable(module), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
     )
-    steps_per_epoch = math.ceil(len(make_batches(sequences, config, 0)) / world)
+    steps_per_epoch = len(make_batches(sequences, config, 0)) // world
+    if steps_per_epoch == 0:
+        raise ValueError(f"the data makes fewer batches than there are processes ({world})")
     total_steps = steps_per_epoch * config.epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total_steps))
     state = {"step": 0, "epoch": 0, "history": []}
@@ -281,14 +280,16 @@ def train(
     stopped = False
     while state["epoch"] < config.epochs and not stopped:
         epoch = state["epoch"]
-        batches = make_batches(sequences, config, epoch)[rank::world]
+        batches = make_batches(sequences, config, epoch)[: steps_per_epoch * world][rank::world]
         first = state["step"] - epoch * steps_per_epoch
         losses = []
         module.train()
         for batch in batches[first:]:
-            loss = loss_fn(model, target, [sequences[i] for i in batch], config)
+            loss = loss_fn(module, target, [sequences[i] for i in batch], config)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if world > 1:
+                _average_gradients(module, world)
             torch.nn.utils.clip_grad_norm_(trainable(module), config.grad_clip)
             optimizer.step()
             scheduler.step()
@@ -317,7 +318,9 @@ def train(
     report = {"config": asdict(config), "steps": state["step"], "epochs_done": state["epoch"],
               "history": state["history"], "wall_s": time.perf_counter() - start,
               "data_tokens": data.num_tokens, "data_sequences": len(sequences),
-              "trainable_params": sum(p.numel() for p in trainable(module))}  # fmt: skip
+              "trainable_params": sum(p.numel() for p in trainable(module)),
+              # equal on every rank of a data-parallel run (each step averages the gradients)
+              "weights_checksum": float(sum(p.detach().double().sum() for p in trainable(module)))}  # fmt: skip
     if rank == 0:
         save_module(config, module, out_dir / "head")
         (out_dir / "report.json").write_text(json.dumps(report, indent=2))
@@ -392,6 +395,17 @@ def load_checkpoint(path: Path, config, module, optimizer, scheduler) -> dict:
     scheduler.load_state_dict(saved["scheduler"])
     torch.set_rng_state(saved["rng"])  # the feature noise continues as if never stopped
     return saved["state"]
+
+
+def _average_gradients(module: nn.Module, world: int) -> None:
+    """Data parallelism by hand: every rank ends the step with the mean gradient (gloo)."""
+    import torch.distributed as dist
+
+    for p in trainable(module):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= world
 
 
 def _distributed() -> tuple[int, int]:

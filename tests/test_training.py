@@ -168,3 +168,73 @@ def test_train_prompts_are_disjoint_from_dev_and_benchmark_prompts():
     prompts = train_prompts()
     assert len(prompts) >= 300 and len(set(prompts)) == len(prompts)
     assert not set(prompts) & (set(DEV_PROMPTS) | set(DEFAULT_PROMPTS))
+
+
+DDP_SCRIPT = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from treespec.heads.data import HeadDataset
+from treespec.heads.train import TrainConfig, train
+import torch.distributed as dist
+model_dir, data_dir, out_dir = sys.argv[1:4]
+model = AutoModelForCausalLM.from_pretrained(model_dir)
+config = TrainConfig(kind="medusa", epochs=1, batch_tokens=30, warmup_steps=1, medusa_heads=2)
+report = train(config, model, HeadDataset(data_dir, model), out_dir, progress=False)
+rank = dist.get_rank()
+torch.save({"steps": report["steps"], "checksum": report["weights_checksum"]}, f"{out_dir}/rank{rank}.pt")
+"""
+
+
+def test_data_parallel_under_torchrun(tiny_data, tmp_path):
+    """Two processes under torchrun: each takes half the batches, gradients are averaged, both
+    ranks end with the same weights, and rank 0 saves a loadable head."""
+    import subprocess
+    import sys
+
+    model, folder = tiny_data
+    model.save_pretrained(tmp_path / "model")
+    (tmp_path / "ddp.py").write_text(DDP_SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+               str(tmp_path / "ddp.py"), str(tmp_path / "model"), str(folder), str(tmp_path / "out")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    steps = [r["steps"] for r in ranks]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]  # both ranks hold the same weights
+    data = HeadDataset(folder, model)
+    single = train(TrainConfig(kind="medusa", epochs=1, batch_tokens=30, warmup_steps=1, medusa_heads=2),
+                   model, data, tmp_path / "single", progress=False)  # fmt: skip
+    assert steps[0] == steps[1] == single["steps"] // 2
+    assert heads_module.load(tmp_path / "out" / "head").config.num_heads == 2
+
+
+@pytest.mark.slow
+def test_train_heads_cli_end_to_end(tmp_path):
+    """``treespec train-heads data`` then ``train`` on a tiny model that uses SmolLM2's tokenizer
+    (chat template included), from a prompt file."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from treespec.cli import main
+    from treespec.models import model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path("smollm2-135m-instruct"))
+    torch.manual_seed(0)
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=True))  # fmt: skip
+    tiny.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    (tmp_path / "prompts.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": p}) for p in ["Hi there", "Count to 5"])
+    )
+    assert main(["train-heads", "data", "--model", str(tmp_path / "tiny"), "--out", str(tmp_path / "data"),
+                 "--prompts", str(tmp_path / "prompts.jsonl"), "--no-builtin-prompts", "--max-new-tokens", "6",
+                 "--dtype", "fp32"]) == 0  # fmt: skip
+    assert main(["train-heads", "train", "--kind", "medusa", "--model", str(tmp_path / "tiny"),
+                 "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--epochs", "1",
+                 "--eval-prompts", "1", "--eval-new-tokens", "4", "--batch-tokens", "64"]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["history"][0]["tau"] >= 1.0 and report["data_sequences"] == 2
+    (tmp_path / "empty.txt").write_text("")
+    assert main(["train-heads", "data", "--model", str(tmp_path / "tiny"), "--out", str(tmp_path / "d2"),
+                 "--prompts", str(tmp_path / "empty.txt"), "--no-builtin-prompts"]) == 2  # fmt: skip

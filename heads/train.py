@@ -336,27 +336,14 @@ def save_module(config: TrainConfig, module: nn.Module, folder: Path) -> Path:
 
 
 def proposer_for(config: TrainConfig, module: nn.Module, target: PreTrainedModel):
-    """The proposer tau is measured with: a dynamic tree of at most 32 nodes (Medusa: a static
-    tree of 31 nodes over its heads)."""
+    """The proposer tau is measured with: a dynamic tree of at most 32 nodes, root included."""
     from treespec.proposers import DraftModelProposer, EagleProposer, MedusaProposer
 
     if config.kind in ("eagle", "eagle3"):
         return EagleProposer(module, target, depth=5, top_k=8, total_tokens=31)
     if config.kind == "medusa":
-        return MedusaProposer(module, target, tree=medusa_tree(module.config.num_heads))
+        return MedusaProposer(module, target, dynamic=(8, 31))
     return DraftModelProposer(module, target_model=target, dynamic=(4, 5, 31))
-
-
-def medusa_tree(num_heads: int):
-    """31 nodes over num_heads levels, widest near the root (Medusa's sparse trees are alike)."""
-    from treespec.tree import TreeShape
-
-    widths = [8, 4, 2, 2, 2][:num_heads]
-    paths, frontier = [], [()]
-    for depth, width in enumerate(widths):
-        frontier = [p + (r,) for p in frontier[: max(1, 16 // (depth + 1))] for r in range(width)]
-        paths += frontier
-    return TreeShape.from_paths(paths[:31])
 
 
 @torch.inference_mode()

@@ -50,9 +50,12 @@ def test_blocks_do_not_share_weights():
 def test_random_medusa_heads_keep_the_output_exact(family, own_lm_head):
     model, want = oracle_table(PROMPTS, NEW)(family)
     heads = random_heads(model, own_lm_head=own_lm_head)
-    for tree in (None, full_tree(2, 3)):
+    for tree in (None, full_tree(2, 3), "dynamic"):
         for chunk in (None, 3):
-            proposer = MedusaProposer(heads, model, tree=tree)
+            if tree == "dynamic":  # EAGLE-2 growth over the heads' marginals, 7 drafted nodes
+                proposer = MedusaProposer(heads, model, dynamic=(2, 7))
+            else:
+                proposer = MedusaProposer(heads, model, tree=tree)
             out = treespec.generate(
                 model, PROMPTS, max_new_tokens=NEW, proposer=proposer, prefill_chunk_size=chunk
             )
@@ -89,6 +92,27 @@ def test_hidden_state_handed_over_is_the_one_behind_the_root():
             0
         ]
     torch.testing.assert_close(hidden, states[len(context) - 1 :], atol=1e-4, rtol=1e-4)
+
+
+def test_dynamic_medusa_tree_ranks_paths_by_the_heads_probabilities():
+    model = build("llama")
+    heads = random_heads(model)
+    proposer = MedusaProposer(heads, model, dynamic=(3, 6))
+    hidden = torch.randn(model.config.hidden_size)
+    proposer.observe(0, [5], hidden[None])
+    from treespec.proposers import ProposalRequest
+    from treespec.sampling import SamplingParams
+
+    tree = proposer.propose([ProposalRequest(0, [1, 5], 1, SamplingParams(), 10)])
+    assert tree.num_nodes == 7 and tree.tokens[0] == 5
+    with torch.no_grad():
+        logprobs = torch.log_softmax(heads(hidden[None])[0], -1)  # [heads, V]
+    # the best node of depth 1 is head 0's argmax; every child of it comes from head 1's top-3
+    assert tree.tokens[1] == logprobs[0].argmax()
+    children = tree.tokens[(tree.parents == 1)].tolist()
+    assert set(children) <= set(logprobs[1].topk(3).indices.tolist())
+    with pytest.raises(ValueError, match="dynamic"):
+        MedusaProposer(heads, model, dynamic=(2, 100))
 
 
 def test_bad_heads_and_folders(tmp_path):

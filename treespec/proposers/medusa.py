@@ -3,8 +3,10 @@
 After each step the engine hands over the target's final hidden state at the node whose logits
 produced the newest committed token (the root of the next tree). Head i's top-k from that state
 are the candidates for depth i + 1; a static ``TreeShape`` picks which combinations to verify
-(``tree.build_static_tree``, Medusa's way). Children are top-k: the deterministic rule verifies
-them losslessly.
+(``tree.build_static_tree``, Medusa's way), or ``dynamic=(top_k, num_nodes)`` grows an
+EAGLE-2 dynamic tree (``tree.build_dynamic_tree``) whose depth-(i+1) children are head i's top-k
+under every frontier node, ranked by the product of the heads' probabilities along the path.
+Children are top-k: the deterministic rule verifies them losslessly.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from transformers import PreTrainedModel
 
 from treespec.heads.medusa import MedusaHeads
 from treespec.proposers.base import ProposalRequest
-from treespec.tree import TokenTree, TreeShape, build_static_tree, chain
+from treespec.tree import TokenTree, TreeShape, build_dynamic_tree, build_static_tree, chain
 
 
 class MedusaProposer:
@@ -22,7 +24,12 @@ class MedusaProposer:
     needs_hidden = True
 
     def __init__(
-        self, heads: MedusaHeads, target_model: PreTrainedModel, *, tree: TreeShape | None = None
+        self,
+        heads: MedusaHeads,
+        target_model: PreTrainedModel,
+        *,
+        tree: TreeShape | None = None,
+        dynamic: tuple[int, int] | None = None,
     ) -> None:
         config = heads.config
         target_hidden = target_model.config.hidden_size
@@ -41,8 +48,17 @@ class MedusaProposer:
             raise ValueError(
                 f"the tree is {self.shape.max_depth} deep but there are only {config.num_heads} heads"
             )
+        if dynamic is not None:
+            top_k, num_nodes = dynamic
+            depth = config.num_heads
+            if tree is not None or not (1 <= top_k and 1 <= num_nodes <= top_k + (depth - 1) * top_k * top_k):
+                raise ValueError(
+                    f"dynamic=(top_k, num_nodes) needs 1 <= num_nodes <= top_k + (heads - 1) top_k^2 and no "
+                    f"static tree; got {dynamic} with {depth} heads"
+                )
+        self.dynamic = dynamic
         self.lm_head = None if config.own_lm_head else target_model.get_output_embeddings()
-        self.max_tree_nodes = self.shape.num_nodes
+        self.max_tree_nodes = self.shape.num_nodes if dynamic is None else dynamic[1] + 1
         self.vocab_size = target_vocab
         self._hidden: dict[int, torch.Tensor] = {}  # request id -> [H] hidden state behind its root
 
@@ -60,8 +76,22 @@ class MedusaProposer:
         hidden = torch.stack([self._hidden[r.request_id] for r in requests])  # [B, H]
         weight = next(self.heads.parameters())
         logits = self.heads(hidden.to(weight.dtype), self.lm_head)  # [B, K, V]
+        if self.dynamic is not None:
+            return self._dynamic(roots, logits[:, :depth], depth)
         candidates = logits.topk(shape.max_rank + 1, dim=-1).indices  # [B, K, k] distinct per row
         return build_static_tree(shape, roots, candidates)
+
+    def _dynamic(self, roots: torch.Tensor, logits: torch.Tensor, depth: int) -> TokenTree:
+        top_k, num_nodes = self.dynamic
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, depth, V]
+
+        def expand(step: int, frontier_tokens: torch.Tensor, frontier_ids: torch.Tensor) -> torch.Tensor:
+            return logprobs[:, step, None].expand(-1, top_k, -1)  # head `step` under every frontier node
+
+        num_nodes = min(num_nodes, top_k + (depth - 1) * top_k * top_k)
+        return build_dynamic_tree(
+            roots, logprobs[:, 0], expand, top_k=top_k, depth=depth, num_nodes=num_nodes
+        )
 
     def observe(self, request_id: int, committed: list[int], hidden: torch.Tensor | None = None) -> None:
         if hidden is not None and len(hidden):

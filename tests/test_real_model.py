@@ -101,3 +101,27 @@ def test_smollm2_random_eagle_head_keeps_the_output_exact(smollm2, eagle3):
     proposer = EagleProposer(head, model, top_k=4, depth=4, total_tokens=15)
     out = treespec.generate(model, prompts, max_new_tokens=24, proposer=proposer, prefill_chunk_size=16)
     assert out.sequences == expected
+
+
+def test_shipped_heads_load_and_fit_the_real_model(smollm2):
+    """The heads shipped for SmolLM2 load by name, match its sizes, and keep its output exact."""
+    from treespec import heads
+    from treespec.heads.train import TrainConfig, proposer_for
+
+    model, tokenizer = smollm2
+    shipped = heads.shipped_for("smollm2-135m-instruct")
+    assert set(shipped) == {"eagle", "medusa", "draft"}
+    prompts = encode_prompts(tokenizer, DEFAULT_PROMPTS[:1])
+    expected = [hf_greedy(model, p, 16) for p in prompts]
+    for kind, name in shipped.items():
+        module = heads.load(name, target_model=model)
+        if kind == "draft":
+            assert module.get_output_embeddings() is model.get_output_embeddings()
+            assert module.config.num_hidden_layers < model.config.num_hidden_layers
+        else:
+            assert module.config.hidden_size == 576 and module.config.vocab_size == 49152
+        out = treespec.generate(
+            model, prompts, max_new_tokens=16, proposer=proposer_for(TrainConfig(kind=kind), module, model)
+        )
+        assert out.sequences == expected, kind
+        assert out.stats.tau > 1.5, kind  # trained: far better than random heads

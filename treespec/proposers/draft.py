@@ -53,7 +53,7 @@ class DraftModelProposer:
             raise ValueError("dynamic trees keep top-k children: they cannot be combined with sample=True")
         self.draft = Target(draft_model, attention_backend=attention_backend)
         self.shape = shape or chain(4)
-        self.dynamic = dynamic
+        self.dynamic = self._max_dynamic = dynamic
         if dynamic is not None:
             top_k, depth, num_nodes = dynamic
             if not (top_k >= 1 and depth >= 1 and 1 <= num_nodes <= top_k + (depth - 1) * top_k * top_k):
@@ -71,6 +71,18 @@ class DraftModelProposer:
         self.cache = self.draft.new_cache(max_batch_size, max_len + self._max_forest())
         self.generator = generator
         self._slot: dict[int, int] = {}  # request id -> draft cache slot
+
+    def set_budget(self, num_nodes: int, depth: int) -> None:
+        """Dynamic trees only: at most ``num_nodes`` nodes, ``depth`` deep, from the next step on
+        (clamped to the sizes given at construction)."""
+        if self._max_dynamic is None:
+            raise ValueError("set_budget needs a dynamic tree (DraftModelProposer(dynamic=...))")
+        top_k, max_depth, max_nodes = self._max_dynamic
+        depth = max(1, min(depth, max_depth))
+        nodes = max(1, min(num_nodes, max_nodes))
+        while depth < max_depth and top_k + (depth - 1) * top_k * top_k < nodes:
+            depth += 1
+        self.dynamic = (top_k, depth, min(nodes, top_k + (depth - 1) * top_k * top_k))
 
     def _max_forest(self) -> int:
         if self.dynamic is None:

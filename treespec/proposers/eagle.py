@@ -77,6 +77,7 @@ class EagleProposer:
             )
         self.head = head.eval()
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self._max = (depth, total_tokens)  # set_budget never exceeds what the cache was sized for
         self.max_tree_nodes = total_tokens + 1
         self.vocab_size = target_vocab
         self.hidden_layers = layers  # the engine hands these layers' inputs over (EAGLE-3)
@@ -93,6 +94,18 @@ class EagleProposer:
         self.sm_scale = config.head_dim**-0.5
         self._slot: dict[int, int] = {}  # request id -> head cache slot
         self._pending: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # pairs not yet run
+
+    def set_budget(self, num_nodes: int, depth: int) -> None:
+        """Draft at most ``num_nodes`` nodes, ``depth`` deep, from the next step on (clamped to
+        the sizes given at construction; deepened when ``depth`` cannot hold ``num_nodes``)."""
+        max_depth, max_nodes = self._max
+        k = self.top_k
+        self.total_tokens = max(1, min(num_nodes, max_nodes))
+        depth = max(1, min(depth, max_depth))
+        while depth < max_depth and k + (depth - 1) * k * k < self.total_tokens:
+            depth += 1
+        self.depth = depth
+        self.total_tokens = min(self.total_tokens, k + (depth - 1) * k * k)
 
     # ---------------------------------------------------------------------------------------
     # What the engine tells the head

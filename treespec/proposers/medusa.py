@@ -56,7 +56,7 @@ class MedusaProposer:
                     f"dynamic=(top_k, num_nodes) needs 1 <= num_nodes <= top_k + (heads - 1) top_k^2 and no "
                     f"static tree; got {dynamic} with {depth} heads"
                 )
-        self.dynamic = dynamic
+        self.dynamic = self._max_dynamic = dynamic
         self.lm_head = None if config.own_lm_head else target_model.get_output_embeddings()
         self.max_tree_nodes = self.shape.num_nodes if dynamic is None else dynamic[1] + 1
         self.vocab_size = target_vocab
@@ -80,6 +80,14 @@ class MedusaProposer:
             return self._dynamic(roots, logits[:, :depth], depth)
         candidates = logits.topk(shape.max_rank + 1, dim=-1).indices  # [B, K, k] distinct per row
         return build_static_tree(shape, roots, candidates)
+
+    def set_budget(self, num_nodes: int, depth: int) -> None:
+        """Dynamic trees only: at most ``num_nodes`` drafted nodes from the next step on (at most
+        the number given at construction); the depth is the number of heads."""
+        if self._max_dynamic is None:
+            raise ValueError("set_budget needs a dynamic tree (MedusaProposer(dynamic=...))")
+        top_k, max_nodes = self._max_dynamic
+        self.dynamic = (top_k, max(1, min(num_nodes, max_nodes)))
 
     def _dynamic(self, roots: torch.Tensor, logits: torch.Tensor, depth: int) -> TokenTree:
         top_k, num_nodes = self.dynamic

@@ -1,0 +1,61 @@
+"""Acceptance (tau) of trained heads through the real engine, on the dev prompts no head was
+trained on: T=0, batch 1, a dynamic tree of at most 32 nodes (root included).
+
+    python scripts/eval_heads.py [--kinds eagle,medusa,draft] [--heads NAME_OR_DIR ...] [--new 128]
+
+By default it evaluates the heads shipped for the model. Writes bench_results/heads_tau.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import treespec
+from treespec import heads as heads_module
+from treespec.heads.prompts import DEV_PROMPTS
+from treespec.heads.train import TrainConfig, proposer_for
+from treespec.models import load
+from treespec.prompts import encode_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--kinds", default="eagle,medusa,draft")
+    parser.add_argument(
+        "--heads", nargs="*", default=None, help="one folder or name per kind (default: shipped)"
+    )
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
+    parser.add_argument("--out", type=Path, default=Path("bench_results/heads_tau.json"))
+    args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model, tokenizer = load(args.model, dtype=dtype)
+    shipped = heads_module.shipped_for(args.model)
+    names = args.heads or [shipped[k] for k in kinds]
+    prompts = encode_prompts(tokenizer, DEV_PROMPTS)
+    results = {}
+    for kind, name in zip(kinds, names, strict=True):
+        module = heads_module.load(name, dtype=dtype, target_model=model)
+        lengths, start, new = [], time.perf_counter(), 0
+        for prompt in prompts:
+            proposer = proposer_for(TrainConfig(kind=kind), module, model)
+            out = treespec.generate(model, [prompt], max_new_tokens=args.new, proposer=proposer)
+            lengths += out.stats.accepted_lengths[0]
+            new += len(out.sequences[0])
+        results[kind] = {"head": str(name), "tau": sum(lengths) / len(lengths), "steps": len(lengths),
+                         "new_tokens": new, "wall_s": time.perf_counter() - start}  # fmt: skip
+        print(kind, json.dumps(results[kind]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "new_tokens": args.new,
+                                    "prompts": "heads.prompts.DEV_PROMPTS", "results": results}, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The adaptive tree budget: cost curves, acceptance statistics, the chooser, the wrapper."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import build, oracle_table
+from test_eagle import random_head
+
+import treespec
+from treespec.budget import AcceptanceStats, AdaptiveProposer, BudgetChooser, CostModel
+from treespec.proposers import EagleProposer, NgramProposer
+from treespec.target import Target
+
+RATES = [[0.8, 0.3, 0.1], [0.7, 0.2, 0.1], [0.6, 0.2], [0.5, 0.2], [0.5]]
+
+
+def test_larger_trees_when_verification_is_cheap_smaller_when_expensive():
+    cheap = CostModel([1, 16, 64, 256], [1.0, 1.05, 1.2, 2.0])  # a GPU-like flat curve
+    steep = CostModel([1, 16, 64, 256], [1.0, 4.0, 14.0, 52.0])  # a CPU-like curve
+    n_cheap, depth_cheap, _ = BudgetChooser(cheap).choose(RATES, batch_size=1)
+    n_steep, _, _ = BudgetChooser(steep).choose(RATES, batch_size=1)
+    assert n_cheap > n_steep >= 0 and depth_cheap >= 3
+    # A growing batch shrinks the tree: B requests' trees share one forward.
+    sizes = [BudgetChooser(cheap).choose(RATES, batch_size=b)[0] for b in (1, 4, 16, 64)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+    # Nothing is accepted: no tree at all.
+    assert BudgetChooser(cheap).choose([[0.0]], batch_size=1)[0] == 0
+
+
+def test_expected_tokens_match_the_best_tree():
+    from treespec.tree import best_tree, expected_accepted_length
+
+    totals, depths = BudgetChooser(CostModel([1, 2], [1.0, 1.0])).expected_tokens(RATES, 8)
+    for n in range(1, 9):
+        shape = best_tree(RATES, n)
+        assert totals[n] == pytest.approx(1 + expected_accepted_length(shape, RATES))
+        assert depths[n] == shape.max_depth
+
+
+def test_acceptance_stats_count_depth_and_rank():
+    stats = AcceptanceStats(max_depth=3, max_rank=3, prior_weight=0.0)
+    tokens, parents = [9, 1, 2, 3, 4], [-1, 0, 0, 1, 2]  # root -> {1, 2}; 1 -> 3; 2 -> 4
+    stats.update(tokens, parents, [0, 2, 4])  # rank 1 at depth 1, rank 0 at depth 2
+    stats.update(tokens, parents, [0])  # nothing accepted
+    rates = stats.rates()
+    assert rates[0][:2] == [0.0, 0.5] and rates[1][0] == 1.0
+
+
+def test_cost_model_interpolates_and_measures():
+    model = CostModel([1, 8, 64], [1.0, 2.0, 9.0])
+    assert (
+        model(4) == pytest.approx(1 + 3 / 7) and model(64) == 9.0 and model(128) == pytest.approx(17.0)
+    )  # the last slope, extended
+    measured = CostModel.measure(Target(build("llama")), batch_size=2, context=16, sizes=(1, 4, 8), repeats=1)
+    assert measured.sizes == [1, 4, 8] and all(t > 0 for t in measured.seconds)
+    with pytest.raises(ValueError):
+        CostModel([1], [1.0])
+
+
+def test_adaptive_proposer_keeps_output_exact_and_adapts():
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [20, 21, 22]]
+    model, want = oracle_table(prompts, 14)("llama")
+    eagle = EagleProposer(random_head(model), model, top_k=3, depth=4, total_tokens=12)
+    chooser = BudgetChooser(CostModel([1, 8, 64], [1.0, 1.1, 1.5]))
+    proposer = AdaptiveProposer(eagle, chooser)
+    out = treespec.generate(model, prompts, max_new_tokens=14, proposer=proposer)
+    assert out.sequences == want
+    assert proposer.chosen[0] == 12  # a flat cost curve and the prior: the whole budget
+    assert proposer.chosen[-1] < proposer.chosen[0]  # a random head is never accepted: it shrinks
+    with pytest.raises(TypeError, match="set_budget"):
+        AdaptiveProposer(NgramProposer(), chooser)

@@ -1,0 +1,254 @@
+"""The adaptive tree budget: each step, the tree size that maximises expected tokens per second.
+
+Sequoia's argument: a bigger tree accepts more tokens per step but costs more to score, and the
+price of one more token depends on the hardware and on the batch. Three parts:
+
+- :class:`CostModel`: the target's forward time for n new tokens in all (the batch's trees
+  together), measured at start-up on this machine (``CostModel.measure``) and interpolated.
+- :class:`AcceptanceStats`: running acceptance rates per depth and sibling rank, learned from
+  the steps the engine verifies (rank r at depth d: accepted given its parent was).
+- :class:`BudgetChooser`: for B requests, picks n drafted nodes per request maximising
+  ``(1 + E[accepted | best tree of n]) / (forward(B * (n + 1)) + propose(n))``. E is the sum of
+  the n largest path probabilities (``tree.best_tree``'s greedy order), so one greedy pass
+  scores every n at once. The depth is that tree's depth.
+
+:class:`AdaptiveProposer` wraps a proposer that has a settable budget (``set_budget(num_nodes,
+depth)``: EAGLE, Medusa and draft models with dynamic trees, n-gram tries), feeds the stats from
+what each step accepted, and asks the chooser before every proposal. A fixed budget is the
+wrapped proposer on its own.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from treespec.proposers.base import ProposalRequest, Proposer
+from treespec.tree import TokenTree
+
+
+@dataclass
+class CostModel:
+    """Forward seconds as a function of new tokens in the step (piecewise linear in between)."""
+
+    sizes: list[int]
+    seconds: list[float]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) < 2 or len(self.sizes) != len(self.seconds) or self.sizes != sorted(self.sizes):
+            raise ValueError(
+                f"need >= 2 increasing sizes with one time each, got {self.sizes}, {self.seconds}"
+            )
+
+    def __call__(self, tokens: int) -> float:
+        sizes, secs = self.sizes, self.seconds
+        i = min(max(bisect.bisect_left(sizes, tokens), 1), len(sizes) - 1)
+        (a, b), (ta, tb) = (sizes[i - 1], sizes[i]), (secs[i - 1], secs[i])
+        return ta + (tb - ta) * (tokens - a) / (b - a)
+
+    def relative(self) -> dict[int, float]:
+        """Cost of each measured size relative to one token."""
+        one = self(1)
+        return {n: s / one for n, s in zip(self.sizes, self.seconds, strict=True)}
+
+    @classmethod
+    @torch.inference_mode()
+    def measure(
+        cls,
+        target,
+        *,
+        batch_size: int = 1,
+        context: int = 256,
+        sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+        repeats: int = 5,
+    ) -> CostModel:
+        """Time the target scoring ``n`` new tokens per step (spread over ``batch_size`` requests
+        of ``context`` cached tokens each) for each n in ``sizes``: medians of ``repeats``."""
+        cache = target.new_cache(batch_size, context + max(sizes) + 1)
+        slots = torch.tensor([cache.allocate() for _ in range(batch_size)])
+        vocab = target.vocab_size
+        generator = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, vocab, (batch_size * context,), generator=generator)
+        target.forward(prompt, cache, torch.arange(batch_size + 1) * context, slots, return_hidden=False)
+        for s in slots.tolist():
+            cache.lengths[s] = context
+        times = []
+        for n in sizes:
+            per = [n // batch_size + (b < n % batch_size) for b in range(batch_size)]
+            per = [max(p, 1) for p in per]
+            cu = torch.tensor([0, *per]).cumsum(0)
+            tokens = torch.randint(0, vocab, (int(cu[-1]),), generator=generator)
+            runs = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                target.forward(tokens, cache, cu, slots, return_hidden=False)
+                runs.append(time.perf_counter() - start)
+            times.append(statistics.median(runs[1:]))  # the first run warms up
+        return cls(list(sizes), times)
+
+
+@dataclass
+class AcceptanceStats:
+    """Running acceptance rates per depth and sibling rank, with a prior worth a few steps."""
+
+    max_depth: int = 8
+    max_rank: int = 8
+    prior: float = 0.5  # rate assumed at depth 1, rank 0, before any evidence
+    prior_weight: float = 4.0
+    trials: list[float] = field(default_factory=list)
+    accepted: list[list[float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.trials = [0.0] * self.max_depth
+        self.accepted = [[0.0] * self.max_rank for _ in range(self.max_depth)]
+
+    def update(self, tokens: list[int], parents: list[int], accepted_path: list[int]) -> None:
+        """One request's tree and the node indices accepted (the root first, then its accepted
+        descendants, in order)."""
+        children: dict[int, list[int]] = {}
+        for node in range(1, len(tokens)):
+            children.setdefault(parents[node], []).append(node)
+        path = accepted_path
+        for depth, node in enumerate(path):
+            kids = children.get(node, [])
+            if not kids or depth >= self.max_depth:
+                break
+            self.trials[depth] += 1
+            if depth + 1 < len(path):
+                rank = kids.index(path[depth + 1])
+                if rank < self.max_rank:
+                    self.accepted[depth][rank] += 1
+
+    def rates(self) -> list[list[float]]:
+        """[depth][rank] P(the rank-r child at this depth is accepted | its parent was)."""
+        table = []
+        for d in range(self.max_depth):
+            row = []
+            for r in range(self.max_rank):
+                prior = self.prior / (r + 1) / (d + 1) ** 0.5
+                weight = self.trials[d] + self.prior_weight
+                row.append((self.accepted[d][r] + self.prior_weight * prior) / weight if weight else prior)
+            table.append(row)
+        return table
+
+
+@dataclass
+class BudgetChooser:
+    forward_cost: CostModel
+    propose_cost: Callable[[int], float] | None = None  # seconds to draft n nodes per request; None: free
+    max_nodes: int = 63
+
+    def expected_tokens(self, rates: list[list[float]], max_nodes: int) -> tuple[list[float], list[int]]:
+        """For n = 0 .. max_nodes: tokens per step of the best tree of n nodes, and its depth."""
+        frontier = [(-rate, 1, r) for r, rate in enumerate(rates[0])]
+        heapq.heapify(frontier)
+        totals, depths = [1.0], [0]
+        while len(totals) <= max_nodes and frontier:
+            neg, depth, _ = heapq.heappop(frontier)
+            totals.append(totals[-1] - neg)
+            depths.append(max(depths[-1], depth))
+            if depth < len(rates):
+                for r, rate in enumerate(rates[depth]):
+                    heapq.heappush(frontier, (neg * rate, depth + 1, r))
+        return totals, depths
+
+    def choose(
+        self, rates: list[list[float]], batch_size: int, cap: int | None = None
+    ) -> tuple[int, int, float]:
+        """(nodes per request, depth, expected tokens per second) for B requests."""
+        totals, depths = self.expected_tokens(rates, min(cap or self.max_nodes, self.max_nodes))
+        best = (0, 0, 0.0)
+        for n in range(len(totals)):
+            seconds = self.forward_cost(batch_size * (n + 1))
+            if self.propose_cost is not None and n:
+                seconds += self.propose_cost(n)
+            rate = batch_size * totals[n] / seconds
+            if rate > best[2]:
+                best = (n, depths[n], rate)
+        return best
+
+
+class AdaptiveProposer:
+    """A proposer whose tree size is chosen every step by a :class:`BudgetChooser`."""
+
+    def __init__(
+        self, proposer: Proposer, chooser: BudgetChooser, stats: AcceptanceStats | None = None
+    ) -> None:
+        if not hasattr(proposer, "set_budget"):
+            raise TypeError(
+                f"{type(proposer).__name__} has no set_budget(num_nodes, depth): its budget is fixed"
+            )
+        self.proposer = proposer
+        self.chooser = chooser
+        self.stats = stats or AcceptanceStats()
+        self.sampled_children = proposer.sampled_children
+        self.max_tree_nodes = proposer.max_tree_nodes
+        self.needs_hidden = getattr(proposer, "needs_hidden", False)
+        self.hidden_layers = getattr(proposer, "hidden_layers", ())
+        if hasattr(proposer, "vocab_size"):
+            self.vocab_size = proposer.vocab_size
+        self.chosen: list[int] = []  # nodes per request, per step
+        self._trees: dict[int, tuple[list[int], list[int]]] = {}
+        self._propose_times: list[tuple[int, float]] = []  # (nodes, seconds) of recent proposals
+        if chooser.propose_cost is None:
+            chooser.propose_cost = self._propose_cost
+
+    def _propose_cost(self, nodes: int) -> float:
+        """Least-squares line through the recent (nodes, seconds) of this proposer's drafting."""
+        points = self._propose_times[-64:]
+        if len({n for n, _ in points}) < 2:
+            return statistics.fmean(t for _, t in points) if points else 0.0
+        mean_n = statistics.fmean(n for n, _ in points)
+        mean_t = statistics.fmean(t for _, t in points)
+        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / sum(
+            (n - mean_n) ** 2 for n, _ in points
+        )
+        return max(0.0, mean_t + slope * (nodes - mean_n))
+
+    def propose(self, requests: list[ProposalRequest]) -> TokenTree:
+        nodes, depth, _ = self.chooser.choose(self.stats.rates(), len(requests), cap=self.max_tree_nodes - 1)
+        self.chosen.append(nodes)
+        if nodes == 0:
+            tree = TokenTree.from_lists([[r.tokens[-1]] for r in requests])
+        else:
+            self.proposer.set_budget(nodes, max(depth, 1))
+            start = time.perf_counter()
+            tree = self.proposer.propose(requests)
+            self._propose_times.append((nodes, time.perf_counter() - start))
+        cu = tree.cu_nodes.tolist()
+        for b, r in enumerate(requests):
+            self._trees[r.request_id] = (
+                tree.tokens[cu[b] : cu[b + 1]].tolist(),
+                tree.parents[cu[b] : cu[b + 1]].tolist(),
+            )
+        return tree
+
+    def observe(self, request_id: int, committed: list[int], hidden: torch.Tensor | None = None) -> None:
+        tree = self._trees.pop(request_id, None)
+        if tree is not None:
+            tokens, parents = tree
+            path, node = [0], 0
+            for token in committed[:-1]:  # the last committed token is the bonus
+                nxt = [c for c in range(1, len(tokens)) if parents[c] == node and tokens[c] == token]
+                if not nxt:
+                    break
+                node = nxt[0]
+                path.append(node)
+            self.stats.update(tokens, parents, path)
+        if self.needs_hidden:
+            self.proposer.observe(request_id, committed, hidden)
+        else:
+            self.proposer.observe(request_id, committed)
+
+    def observe_prefill(self, request_id: int, tokens: list[int], hidden: torch.Tensor) -> None:
+        self.proposer.observe_prefill(request_id, tokens, hidden)
+
+    def release(self, request_id: int) -> None:
+        self._trees.pop(request_id, None)
+        self.proposer.release(request_id)

@@ -18,14 +18,14 @@ import random
 from pathlib import Path
 
 DEV_PROMPTS = [
-    "Explain why the sky looks blue during the day and red at sunset.",
-    "Write a Python function that checks whether a string is a palindrome, ignoring case.",
-    "A train travels 180 km in 2 hours and then 120 km in 1.5 hours. What is its average speed?",
+    "Why do cats purr, and what might it mean when they do?",
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
+    "A shop sells pens at 3 for 2 dollars. How much do 18 pens cost? Explain your reasoning.",
     "Give three tips for someone who wants to start running regularly.",
-    "What is the difference between a list and a tuple in Python?",
-    "Write a short poem about autumn leaves.",
-    "Summarise the main causes of the French Revolution in a few sentences.",
     "How does a refrigerator keep food cold?",
+    "Write a short poem about autumn leaves falling in a city park.",
+    "Summarise the main causes of the French Revolution in a few sentences.",
+    "What should a beginner know before adopting a dog?",
 ]
 
 _TOPICS = ["photosynthesis", "the water cycle", "volcanoes", "black holes", "the immune system", "magnets",

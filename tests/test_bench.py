@@ -1,14 +1,42 @@
-"""The benchmark entry points: input handling fast, a tiny real run slow."""
+"""``treespec bench``: end to end on a tiny model with its own tokenizer and heads, the identity
+check, bad input. (The autoregressive engine benchmark, scripts/bench_ar.py, runs slow.)"""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
+from conftest import build
+from test_eagle import random_head
 
-from treespec.bench import BenchConfig, run
-from treespec.bench_spec import SpecBenchConfig, _summarise, read_prompts, run_spec
+from treespec.benchmark import BenchConfig, Components, read_prompt_file, summarise
 from treespec.cli import main
+from treespec.heads.draft import make_draft, save_draft
+from treespec.heads.medusa import MedusaConfig, MedusaHeads
+
+KEYS = {"name", "tokens_per_s", "speedup_vs_hf", "mean_accepted_tokens", "identical_to_reference", "stage_ms"}
+
+
+def tiny_model_folder(path):
+    """A tiny Llama with a word-level tokenizer (w0 .. w126, [UNK]) and three random heads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = build("llama")
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path / "model")
+    vocab = {f"w{i}": i for i in range(127)} | {"[UNK]": 127}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[UNK]").save_pretrained(
+        path / "model"
+    )
+    random_head(model).save(path / "eagle")
+    torch.manual_seed(0)
+    MedusaHeads(MedusaConfig(64, 128, num_heads=2, own_lm_head=False)).save(path / "medusa")
+    save_draft(make_draft(model, 1), path / "draft", dtype=torch.float32)
+    return model
 
 
 def write_prompts(path, rows):
@@ -16,57 +44,92 @@ def write_prompts(path, rows):
     return str(path)
 
 
-def test_read_prompts_takes_the_first_per_category(tmp_path):
-    rows = [{"category": c, "turns": [f"{c} {i}"]} for c in ("qa", "rag") for i in range(3)]
-    assert read_prompts(write_prompts(tmp_path / "p.jsonl", rows), 2) == [
-        ("qa", "qa 0"), ("qa", "qa 1"), ("rag", "rag 0"), ("rag", "rag 1"),
-    ]  # fmt: skip
-    with pytest.raises(ValueError, match="'category' and 'turns'"):
-        read_prompts(write_prompts(tmp_path / "bad.jsonl", [{"text": "x"}]), 1)
+def test_cli_runs_every_method_and_baseline_end_to_end(tmp_path):
+    tiny_model_folder(tmp_path)
+    prompts = write_prompts(tmp_path / "p.jsonl", [
+        {"category": "copy", "turns": ["w1 w2 w3 w1 w2 w3 w1 w2"]},
+        {"category": "copy", "question": "w5 w6 w5 w6 w5"},
+        {"category": "free", "prompt": "w9 w40 w77"},
+    ])  # fmt: skip
+    argv = ["bench", "--model", str(tmp_path / "model"), "--prompts", prompts, "--max-new-tokens", "6",
+            "--dtype", "fp32", "--json", str(tmp_path / "out.json"), "--warmup", "0",
+            "--heads", f"eagle={tmp_path / 'eagle'}", "--heads", f"medusa={tmp_path / 'medusa'}",
+            "--heads", f"draft={tmp_path / 'draft'}"]  # fmt: skip
+    pytest.importorskip("matplotlib")
+    assert main([*argv, "--plot", str(tmp_path / "out.png")]) == 0
+    report = json.loads((tmp_path / "out.json").read_text())
+    names = [m["name"] for m in report["methods"]]
+    assert names == ["hf", "hf-pld", "hf-assisted", "none", "ngram", "draft", "medusa", "eagle", "hybrid"]
+    assert set(report["config"]) >= {"model", "proposers", "baselines", "max_new_tokens", "dtype", "temperature",
+                                     "batch_size", "seed", "warmup", "json", "plot", "device", "budget"}  # fmt: skip
+    for method in report["methods"]:
+        if method["kind"] == "treespec":
+            assert KEYS <= set(method) and set(method["stage_ms"]) == {
+                "propose",
+                "score",
+                "verify",
+                "commit",
+                "other",
+            }
+            assert sum(method["accepted_length_histogram"].values()) == method["decode_steps"]
+        assert method["identical_to_reference"] == 1.0, method["name"]  # fp32: every method, HF's too
+    assert set(report["methods"][0]["per_category"]) == {"copy", "free"}
+    assert (tmp_path / "out.png").stat().st_size > 1000
+    assert main([*argv[:-6], "--proposer", "eagle", "--batch-size", "2", "--budget", "fixed",
+                 "--baselines", "hf,hf-pld", "--heads", f"eagle={tmp_path / 'eagle'}"]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["skipped_baselines"] == {"hf-pld": "HF supports it at batch size 1 only"}
+
+
+def test_identity_check_flags_an_injected_divergence(tmp_path):
+    model = tiny_model_folder(tmp_path)
+    config = BenchConfig(model=str(tmp_path / "model"), proposers=("ngram",), baselines=("hf",), dtype="fp32",
+                         max_new_tokens=4)  # fmt: skip
+    components = Components.__new__(Components)
+    components.hf_model = model
+    pairs = [("a", "x"), ("b", "y")]
+    encoded = [[1, 2, 3], [4, 5]]
+    with torch.no_grad():
+        logits = model(torch.tensor([encoded[1] + [7]])).logits[0, -1]
+    reference = [[10, 11, 12, 13], [7, 8, 9, 10]]
+    broken = [[10, 11, 12, 13], [7, 99, 9, 10]]  # prompt 1 parts at position 1
+    run = lambda tokens: [{"prompts": [i], "tokens": [t], "seconds": 1.0} for i, t in enumerate(tokens)]  # noqa: E731
+    results = {"hf": run(reference), "none": run(reference), "ngram": run(broken)}
+    for r in results["none"] + results["ngram"]:
+        r.update(
+            steps=4,
+            accepted_lengths=[1, 1, 1, 1],
+            stages_s=dict.fromkeys(["propose", "score", "verify", "commit"], 0.1),
+        )
+    report = summarise(config, components, pairs, encoded, results, ["hf", "none", "ngram"])
+    ngram = report["methods"][2]
+    assert ngram["identical_to_reference"] == 0.5
+    (mismatch,) = ngram["mismatches"]
+    assert mismatch["prompt"] == 1 and mismatch["position"] == 1 and mismatch["got"] == 99
+    top = logits.topk(2).values
+    assert mismatch["top2_logit_gap"] == pytest.approx(float(top[0] - top[1]), abs=1e-5)
+
+
+def test_bad_input(tmp_path, capsys):
+    with pytest.raises(ValueError, match="looked for turns\\[0\\], question, prompt"):
+        read_prompt_file(write_prompts(tmp_path / "p.jsonl", [{"text": "hello"}]))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        read_prompt_file(str(tmp_path / "empty.jsonl"))
     with pytest.raises(ValueError, match="does not exist"):
-        read_prompts(str(tmp_path / "missing.jsonl"), 1)
-
-
-def test_summary_is_total_tokens_over_total_time():
-    def row(category, seconds):
-        methods = {
-            m: {"seconds": seconds, "same_tokens_as_hf_generate": True}
-            for m in ("hf_generate", "hf_prompt_lookup")
-        }
-        methods["ngram_chain"] = {"seconds": seconds / 2, "tau": 2.0, "same_tokens_as_hf_generate": True}
-        return {"category": category, "methods": methods}
-
-    summary = _summarise([row("qa", 1.0), row("qa", 3.0), row("rag", 2.0)], new=10)
-    assert summary["qa"]["hf_generate"]["tokens_per_s"] == pytest.approx(20 / 4)
-    assert summary["qa"]["ngram_chain"]["vs_hf_generate"] == pytest.approx(2.0)
-    assert summary["all"]["ngram_chain"]["tau"] == 2.0
-
-
-def test_bad_configs_and_cli_errors(capsys):
-    with pytest.raises(ValueError, match="dtypes"):
-        BenchConfig(dtypes=("int8",))
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        SpecBenchConfig(prompts="x", max_new_tokens=0)
-    assert main(["bench", "--proposer", "ngram"]) == 2
-    assert "--prompts" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_tiny_real_runs(tmp_path):
-    report = run(BenchConfig(dtypes=("fp32",), batch_sizes=(1,), max_new_tokens=4, repeats=1, warmup=0),
-                 out_path=tmp_path / "ar.json", log=lambda _: None)  # fmt: skip
-    case = report["cases"][0]
-    assert case["tokens_match_hf_generate"] and set(case["tokens_per_s"]) == {
-        "hf_generate",
-        "hf_loop",
-        "treespec",
-    }
-    prompts = write_prompts(
-        tmp_path / "p.jsonl", [{"category": "copy", "turns": ["Repeat: one two three, one two three."]}]
-    )
-    spec = run_spec(SpecBenchConfig(prompts=prompts, dtype="fp32", per_category=1, max_new_tokens=6),
-                    out_path=tmp_path / "ngram.json", log=lambda _: None)  # fmt: skip
-    methods = spec["summary"]["all"]
-    assert set(methods) == {"hf_generate", "hf_prompt_lookup", "treespec_ar", "ngram_chain", "ngram_trie"}
-    assert methods["ngram_trie"]["same_tokens_as_hf_generate"] == 1.0
-    assert json.loads((tmp_path / "ngram.json").read_text())["rss"]["after_mib"] > 0
+        read_prompt_file(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="unknown method"):
+        BenchConfig(proposers=("speculate",))
+    with pytest.raises(ValueError, match="unknown baseline"):
+        BenchConfig(baselines=("vllm",))
+    assert main(["bench", "--proposer", "magic"]) == 2
+    assert "unknown method" in capsys.readouterr().err
+    tiny_model_folder(tmp_path)
+    prompts = write_prompts(tmp_path / "ok.jsonl", [{"prompt": "w1 w2"}])
+    # a baseline that needs a component this model does not have: named
+    assert main(["bench", "--model", str(tmp_path / "model"), "--prompts", prompts, "--proposer", "none",
+                 "--baselines", "hf-assisted", "--dtype", "fp32", "--json", str(tmp_path / "o.json")]) == 2  # fmt: skip
+    assert "hf-assisted needs a head of kind 'draft'" in capsys.readouterr().err
+    assert main(["bench", "--model", str(tmp_path / "model"), "--prompts", prompts, "--proposer", "eagle",
+                 "--baselines", "hf", "--dtype", "fp32", "--json", str(tmp_path / "o.json")]) == 2  # fmt: skip
+    assert "method 'eagle' needs a head of kind 'eagle'" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Side-by-side benchmark: treespec against the baselines a user could pick, in one process.
+"""Autoregressive engine benchmark (``scripts/bench_ar.py``): treespec without a proposer against
+HF ``generate`` and a bare HF loop, over dtypes and batch sizes, in one process.
 
 Methods (all greedy, all producing exactly ``max_new_tokens`` tokens per prompt, EOS ignored):
     hf_generate   HF ``model.generate`` (SDPA attention, its own dynamic cache; left padding)
@@ -23,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 import treespec
+from treespec.benchmark import left_pad
 from treespec.models import load
 from treespec.prompts import DEFAULT_PROMPTS, encode_prompts
 from treespec.target import Target
@@ -51,17 +53,6 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, L] ids and attention mask, padded on the left as HF generate expects for decoder-only models."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    return ids, mask
 
 
 def run_hf_generate(model, prompts: list[list[int]], new: int, pad_id: int) -> list[list[int]]:

@@ -106,62 +106,60 @@ def _csv(kind: type) -> Callable[[str], tuple]:
 def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
-        help="benchmark treespec against HF generate and a bare HF loop, side by side",
-        description="All methods run on the same prompts in one process; medians of interleaved repeats.",
+        help="benchmark treespec's methods against HF generate, prompt lookup and assisted generation",
+        description="Every method and baseline runs on the same prompts in one process, interleaved per "
+        "prompt; prints a table per method and writes JSON (docs/benchmark.md).",
     )
     bench.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
+    bench.add_argument("--proposer", type=_csv(str), default=("all",),
+                       help="comma list of none, ngram, draft, medusa, eagle, hybrid, all (default all)")  # fmt: skip
+    bench.add_argument("--baselines", type=_csv(str), default=("hf", "hf-pld", "hf-assisted"),
+                       help="comma list of hf (HF generate), hf-pld (prompt lookup), hf-assisted (shipped draft)")  # fmt: skip
+    bench.add_argument("--prompts", default=None,
+                       help="JSON lines; the prompt is turns[0], question or prompt; 'category' groups them")  # fmt: skip
+    bench.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     bench.add_argument(
-        "--dtypes", type=_csv(str), default=("bf16", "fp32"), help="comma list of bf16, fp16, fp32"
+        "--per-category", type=int, default=None, help="use the first N prompts of each category"
     )
-    bench.add_argument("--batch-sizes", type=_csv(int), default=(1, 4), help="comma list, e.g. 1,4")
-    bench.add_argument("--max-new-tokens", type=int, default=64)
-    bench.add_argument("--repeats", type=int, default=3, help="timed runs per method (median reported)")
-    bench.add_argument("--warmup", type=int, default=1)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--warmup", type=int, default=1, help="warm-up runs of every method (short)")
+    bench.add_argument("--budget", choices=["adaptive", "fixed"], default="adaptive",
+                       help="tree size per step: chosen from measured costs and acceptance, or fixed (31 nodes)")  # fmt: skip
+    bench.add_argument("--json", default="bench_results/bench.json", help="report path")
+    bench.add_argument("--plot", default=None, help="PNG: speedup per category, accepted-length histograms")
+    bench.add_argument("--heads", action="append", default=[], metavar="KIND=PATH",
+                       help="use this head folder for eagle, medusa or draft instead of the shipped one")  # fmt: skip
+    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    bench.add_argument("--out", default=None, help="JSON report path (default bench_results/<mode>.json)")
-    bench.add_argument(
-        "--proposer", choices=["none", "ngram"], default="none",
-        help="none: autoregressive treespec vs HF; ngram: n-gram chain/trie vs HF generate and HF prompt lookup",
-    )  # fmt: skip
-    bench.add_argument(
-        "--prompts", help="with --proposer ngram: JSONL with 'category' and 'turns' (Spec-Bench)"
-    )
-    bench.add_argument(
-        "--per-category", type=int, default=2, help="with --proposer ngram: prompts per category"
-    )
-    bench.add_argument("--draft-tokens", type=int, default=8, help="with --proposer ngram: draft depth K")
-    bench.add_argument(
-        "--token-cost", type=float, default=0.3,
-        help="with --proposer ngram: NgramProposer's relative cost of one more verified token (0 = fixed depth)",
-    )  # fmt: skip
     bench.set_defaults(handler=_bench)
 
 
+def _kind_path(text: str) -> tuple[str, str]:
+    kind, sep, path = text.partition("=")
+    if not sep or kind not in ("eagle", "medusa", "draft") or not path:
+        raise ValueError(f"--heads takes KIND=PATH with KIND eagle, medusa or draft, got {text!r}")
+    return kind, path
+
+
 def _bench(args: argparse.Namespace) -> int:
-    if args.proposer == "ngram":
-        from treespec.bench_spec import SpecBenchConfig, run_spec
+    import torch
 
-        if not args.prompts:
-            raise ValueError("--proposer ngram needs --prompts FILE.jsonl (Spec-Bench layout)")
-        dtype = args.dtypes[0] if args.dtypes else "bf16"
-        spec = SpecBenchConfig(
-            prompts=args.prompts, model=args.model, dtype=dtype, per_category=args.per_category,
-            max_new_tokens=args.max_new_tokens, draft_tokens=args.draft_tokens, token_cost=args.token_cost,
-        )  # fmt: skip
-        run_spec(spec, out_path=args.out or "bench_results/ngram.json")
-        return EXIT_OK
-    from treespec.bench import BenchConfig, run
+    from treespec.benchmark import BenchConfig, run
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     config = BenchConfig(
-        model=args.model,
-        dtypes=args.dtypes,
-        batch_sizes=args.batch_sizes,
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        threads=args.threads,
-    )
-    run(config, out_path=args.out or "bench_results/bench.json")
+        model=args.model, proposers=tuple(args.proposer), baselines=tuple(args.baselines), prompts=args.prompts,
+        num_prompts=args.num_prompts, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype, temperature=args.temperature, batch_size=args.batch_size, seed=args.seed,
+        warmup=args.warmup, budget=args.budget, json=args.json, plot=args.plot, device=args.device,
+        heads=tuple(_kind_path(h) for h in args.heads),
+    )  # fmt: skip
+    run(config)
     return EXIT_OK
 
 

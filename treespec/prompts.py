@@ -2,16 +2,40 @@
 
 from __future__ import annotations
 
-DEFAULT_PROMPTS = [
-    "Explain in a few sentences why the sky looks blue during the day and red at sunset.",
-    "Write a short Python function that returns the n-th Fibonacci number, and explain how it works.",
-    "A train leaves at 9:15 and arrives at 11:40. How long is the journey? Show your steps.",
-    "Give three practical tips for keeping a small vegetable garden healthy in a dry summer.",
-    "Summarise the plot of a story about a lighthouse keeper who finds a message in a bottle.",
-    "What is the difference between a list and a tuple in Python? Answer with an example.",
-    "Describe how a bicycle's gears make it easier to ride uphill.",
-    "List the planets of the solar system in order from the sun, with one fact about each.",
+PASSAGE = (
+    "The library in the village of Ashford opened in 1911 with three hundred books donated by a"
+    " retired sea captain. For decades it occupied a single room above the post office, and the"
+    " librarian, Margaret Hale, knew every reader by name. In 1968 a flood damaged half of the "
+    "collection, and the villagers spent a whole summer drying pages on washing lines across th"
+    "e green. The building that houses the library today was finished in 1975, paid for by a de"
+    "cade of bake sales and a grant from the county. It now lends films and tools as well as bo"
+    "oks, and its reading group has met every Thursday evening for more than forty years."
+)
+
+BENCH_PROMPTS: list[tuple[str, str]] = [
+    ("chat", "Give three practical tips for keeping a small vegetable garden healthy in a dry summer."),
+    ("chat", "Describe how a bicycle's gears make it easier to ride uphill."),
+    (
+        "code",
+        "Write a short Python function that returns the n-th Fibonacci number, and explain how it works.",
+    ),
+    ("code", "What is the difference between a list and a tuple in Python? Answer with an example."),
+    ("maths", "A train leaves at 9:15 and arrives at 11:40. How long is the journey? Show your steps."),
+    (
+        "maths",
+        "A rectangle is 12 cm long and 7 cm wide. What are its area and its perimeter? Show your steps.",
+    ),
+    ("summarisation", "Summarise the following passage in two sentences.\n\n" + PASSAGE),
+    (
+        "summarisation",
+        "Summarise the plot of a story about a lighthouse keeper who finds a message in a bottle.",
+    ),
+    ("qa", "Explain in a few sentences why the sky looks blue during the day and red at sunset."),
+    ("qa", "List the planets of the solar system in order from the sun, with one fact about each."),
 ]
+"""(category, prompt) pairs: ``treespec bench``'s default set. No head is trained on them."""
+
+DEFAULT_PROMPTS = [text for _, text in BENCH_PROMPTS]
 
 
 def encode_prompts(tokenizer, prompts: list[str], *, chat: bool = True) -> list[list[int]]:

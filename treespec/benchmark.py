@@ -1,0 +1,443 @@
+"""``treespec bench``: every method and every baseline side by side, in one process, on the
+same prompts.
+
+Methods (treespec): ``none`` (autoregressive: the reference), ``ngram`` (n-gram trie), ``draft``
+(distilled draft model), ``medusa``, ``eagle`` (EAGLE head, EAGLE-2 dynamic tree), ``hybrid``
+(EAGLE branches plus n-gram continuations in one trie). The head methods use the heads shipped
+for the model; their tree size is chosen every step by the adaptive budget
+(``treespec.budget``) unless ``budget="fixed"``. Baselines: ``hf`` (HF ``generate``), ``hf-pld``
+(HF prompt lookup), ``hf-assisted`` (HF assisted generation with the shipped draft).
+
+For each prompt (or batch of prompts) every method runs once, in a fixed interleaved order, so
+drift on a shared machine hits all alike. Reported per method: tokens/s (all new tokens over all
+seconds), speedup over HF ``generate``, tau (tokens per target step, bonus included), the
+accepted-length histogram, per-stage milliseconds per step, and at T=0 the fraction of prompts
+whose output equals the autoregressive reference; a mismatch is printed with its first diverging
+position and the target's top-2 logit gap there (a near-tie is rounding, a wide gap a bug).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import treespec
+from treespec.models import load
+from treespec.prompts import BENCH_PROMPTS, encode_prompts
+
+METHODS = ("none", "ngram", "draft", "medusa", "eagle", "hybrid")
+BASELINES = ("hf", "hf-pld", "hf-assisted")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROMPT_FIELDS = ("turns[0]", "question", "prompt")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = "smollm2-135m-instruct"
+    proposers: tuple[str, ...] = ("all",)
+    baselines: tuple[str, ...] = BASELINES
+    prompts: str | None = None  # JSON lines; None: treespec's own BENCH_PROMPTS
+    num_prompts: int | None = None
+    per_category: int | None = None  # the first N prompts of each category
+    max_new_tokens: int = 128
+    dtype: str = "bf16"
+    temperature: float = 0.0
+    batch_size: int = 1
+    seed: int = 0
+    warmup: int = 1
+    device: str = "cpu"
+    budget: str = "adaptive"  # or "fixed": the proposers' own sizes (31 drafted nodes)
+    heads: tuple[tuple[str, str], ...] = ()  # (kind, folder or registered name): overrides the shipped heads
+    json: str | None = None
+    plot: str | None = None
+    methods: tuple[str, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        wanted = [m for p in self.proposers for m in (METHODS if p == "all" else (p,))]
+        unknown = [m for m in wanted if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)} or all")
+        bad = [b for b in self.baselines if b not in BASELINES]
+        if bad:
+            raise ValueError(f"unknown baseline(s) {bad}: choose from {', '.join(BASELINES)}")
+        object.__setattr__(self, "methods", tuple(dict.fromkeys(["none", *wanted])))  # the reference first
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.budget not in ("adaptive", "fixed"):
+            raise ValueError(f"budget must be 'adaptive' or 'fixed', got {self.budget!r}")
+        for name in ("max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0 or self.warmup < 0:
+            raise ValueError("temperature and warmup must be >= 0")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available on this machine")
+
+
+def read_prompt_file(path: str) -> list[tuple[str, str]]:
+    """(category, prompt) pairs from JSON lines; the prompt is ``turns[0]``, ``question`` or
+    ``prompt`` (the first that exists), the category ``category`` (else "all")."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"prompt file {path} does not exist")
+    lines = [line for line in file.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"prompt file {path} is empty")
+    out = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        turns = row.get("turns") if isinstance(row, dict) else None
+        text = (
+            (turns[0] if isinstance(turns, list) and turns else None)
+            or row.get("question")
+            or row.get("prompt")
+        )
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{path}:{number}: no usable prompt; looked for {', '.join(PROMPT_FIELDS)}")
+        out.append((str(row.get("category", "all")), text))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Components: heads, proposers, baselines
+# --------------------------------------------------------------------------------------------
+
+
+class Components:
+    """The target copies, tokenizer and shipped heads a run needs, loaded once."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        from treespec import heads
+
+        dtype, device = DTYPES[config.dtype], config.device
+        self.config = config
+        self.hf_model, self.tokenizer = load(config.model, dtype=dtype, device=device)
+        self.model, _ = load(config.model, dtype=dtype, device=device)  # treespec's copy: HF keeps SDPA
+        self.target = treespec.Target(self.model)
+        self.shipped = {**heads.shipped_for(config.model), **dict(config.heads)}
+        self._heads: dict[str, object] = {}
+        self.cost_model = None
+
+    def head(self, kind: str, *, for_what: str):
+        from treespec import heads
+
+        key = (kind, for_what == "hf-assisted")  # HF's copy and treespec's each get their own
+        if key not in self._heads:
+            if kind not in self.shipped:
+                raise ValueError(
+                    f"{for_what} needs a head of kind {kind!r} for {self.config.model}, and none is shipped or "
+                    f"registered (train one: treespec train-heads train --kind {kind})"
+                )
+            model = self.hf_model if for_what == "hf-assisted" else self.model
+            self._heads[key] = heads.load(self.shipped[kind], dtype=model.dtype, device=self.config.device,
+                                          target_model=model)  # fmt: skip
+        return self._heads[key]
+
+    def budget_chooser(self):
+        from treespec.budget import BudgetChooser, CostModel
+
+        if self.cost_model is None:
+            self.cost_model = CostModel.measure(self.target, batch_size=self.config.batch_size,
+                                                sizes=(1, 2, 4, 8, 16, 32, 64), repeats=3)  # fmt: skip
+        return BudgetChooser(self.cost_model)
+
+    def proposer(self, method: str):
+        """A fresh proposer for one run of ``method`` (None for the autoregressive reference)."""
+        from treespec.proposers import (
+            DraftModelProposer,
+            EagleProposer,
+            HybridProposer,
+            MedusaProposer,
+            NgramProposer,
+        )
+
+        batch = self.config.batch_size
+        if method == "none":
+            return None
+        if method == "ngram":
+            return NgramProposer(max_depth=8, max_nodes=32, token_cost=0.3)
+        if method == "eagle":
+            inner = EagleProposer(self.head("eagle", for_what="method 'eagle'"), self.model, depth=6, top_k=8,
+                                  total_tokens=31, max_batch_size=batch)  # fmt: skip
+        elif method == "medusa":
+            inner = MedusaProposer(
+                self.head("medusa", for_what="method 'medusa'"), self.model, dynamic=(8, 31)
+            )
+        elif method == "draft":
+            inner = DraftModelProposer(self.head("draft", for_what="method 'draft'"), target_model=self.model,
+                                       dynamic=(4, 6, 31), max_batch_size=batch)  # fmt: skip
+        else:  # hybrid
+            eagle = EagleProposer(self.head("eagle", for_what="method 'hybrid'"), self.model, depth=6, top_k=8,
+                                  total_tokens=24, max_batch_size=batch)  # fmt: skip
+            return HybridProposer(
+                self._adaptive(eagle), NgramProposer(max_depth=8, max_nodes=8, token_cost=0.3)
+            )
+        return self._adaptive(inner)
+
+    def _adaptive(self, proposer):
+        if self.config.budget == "fixed":
+            return proposer
+        from treespec.budget import AdaptiveProposer
+
+        return AdaptiveProposer(proposer, self.budget_chooser())
+
+
+def run_method(components: Components, method: str, prompts: list[list[int]], generator_seed: int) -> dict:
+    """One method on one batch of prompts: tokens, seconds, and (treespec) its statistics."""
+    config = components.config
+    new = config.max_new_tokens
+    sampling = config.temperature > 0
+    if method in METHODS:
+        generator = torch.Generator().manual_seed(generator_seed)
+        proposer = components.proposer(method)
+        start = time.perf_counter()
+        out = treespec.generate(components.target, prompts, proposer=proposer, max_new_tokens=new, eos_token_id=[],
+                                temperature=config.temperature, generator=generator)  # fmt: skip
+        seconds = time.perf_counter() - start
+        s = out.stats
+        lengths = [n for per in s.accepted_lengths for n in per]
+        return {"tokens": out.sequences, "seconds": seconds, "steps": s.steps, "accepted_lengths": lengths,
+                "stages_s": {"propose": s.propose_s, "score": s.forward_s, "verify": s.verify_s,
+                             "commit": s.commit_s}}  # fmt: skip
+    model, tokenizer = components.hf_model, components.tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    extra: dict = {}
+    if method == "hf-pld":
+        extra["prompt_lookup_num_tokens"] = 8
+    elif method == "hf-assisted":
+        extra["assistant_model"] = components.head("draft", for_what="hf-assisted")
+    if sampling:
+        extra.update(do_sample=True, temperature=config.temperature, top_k=0, top_p=1.0)
+        torch.manual_seed(generator_seed)
+    else:
+        extra.update(do_sample=False, top_k=None, top_p=None, temperature=None)
+    ids, mask = left_pad(prompts, pad)
+    start = time.perf_counter()
+    out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new,
+                         pad_token_id=pad, eos_token_id=None, **extra)  # fmt: skip
+    seconds = time.perf_counter() - start
+    return {"tokens": out[:, ids.shape[1] :].tolist(), "seconds": seconds}
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] ids and attention mask, padded on the left as HF generate expects."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def first_divergence(components: Components, prompt: list[int], got: list[int], want: list[int]) -> dict:
+    """Where two continuations part, and how close the target's top-2 logits are there."""
+    position = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+    model = components.hf_model
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + want[:position]], device=model.device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return {"position": position, "got": got[position], "reference": want[position],
+            "top2_logit_gap": float(top[0] - top[1])}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+
+
+def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
+    torch.manual_seed(config.seed)
+    pairs = read_prompt_file(config.prompts) if config.prompts else list(BENCH_PROMPTS)
+    if config.per_category is not None:
+        taken: Counter = Counter()
+        pairs = [p for p in pairs if (taken.update([p[0]]) or taken[p[0]] <= config.per_category)]
+    if config.num_prompts is not None:
+        pairs = pairs[: config.num_prompts]
+    if not pairs:
+        raise ValueError("no prompts to run")
+    components = Components(config)
+    needs_batch_one = [b for b in config.baselines if b in ("hf-pld", "hf-assisted")]
+    baselines = [b for b in config.baselines if not (config.batch_size > 1 and b in needs_batch_one)]
+    skipped = {b: "HF supports it at batch size 1 only" for b in config.baselines if b not in baselines}
+    if "hf-assisted" in baselines:
+        components.head("draft", for_what="hf-assisted")  # fail early, naming what is missing
+    for method in config.methods:
+        components.proposer(method)  # fail early on a missing head; measures the cost curve once
+    order = [*baselines, *config.methods]
+    encoded = encode_prompts(components.tokenizer, [text for _, text in pairs])
+    batches = [
+        list(range(i, min(i + config.batch_size, len(pairs))))
+        for i in range(0, len(pairs), config.batch_size)
+    ]
+    for _ in range(config.warmup):
+        for method in order:
+            run_method(components, method, [encoded[0][:64]], config.seed)
+    results: dict[str, list[dict]] = defaultdict(list)
+    bar = tqdm(total=len(batches) * len(order), desc="bench", unit="run")
+    for b, members in enumerate(batches):
+        prompts = [encoded[i] for i in members]
+        for method in order:
+            bar.set_postfix(method=method)
+            result = run_method(components, method, prompts, config.seed + b)
+            result["prompts"] = members
+            results[method].append(result)
+            bar.update(1)
+    bar.close()
+    report = summarise(config, components, pairs, encoded, results, order)
+    report["skipped_baselines"] = skipped
+    report["machine"] = {"platform": platform.platform(), "torch": torch.__version__,
+                         "threads": torch.get_num_threads(), "device": config.device}  # fmt: skip
+    if components.cost_model is not None:
+        report["forward_cost_ms"] = {
+            n: 1e3 * s
+            for n, s in zip(components.cost_model.sizes, components.cost_model.seconds, strict=True)
+        }
+    log(format_report(report))
+    if config.json:
+        Path(config.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(config.json).write_text(json.dumps(report, indent=2))
+        log(f"wrote {config.json}")
+    if config.plot:
+        plot(report, config.plot)
+        log(f"wrote {config.plot}")
+    return report
+
+
+def summarise(config, components, pairs, encoded, results, order) -> dict:
+    new = config.max_new_tokens
+    reference = {i: toks for r in results["none"] for i, toks in zip(r["prompts"], r["tokens"], strict=True)}
+    hf_rate = None
+    methods = []
+    categories = sorted({c for c, _ in pairs})
+    for name in order:
+        runs = results[name]
+        seconds = sum(r["seconds"] for r in runs)
+        tokens = new * sum(len(r["prompts"]) for r in runs)
+        entry: dict = {"name": name, "kind": "baseline" if name in BASELINES else "treespec",
+                       "tokens_per_s": tokens / seconds}  # fmt: skip
+        per_cat = {}
+        for category in categories:
+            members = [r for r in runs if pairs[r["prompts"][0]][0] == category]
+            if members:
+                per_cat[category] = {
+                    "tokens_per_s": new
+                    * sum(len(r["prompts"]) for r in members)
+                    / sum(r["seconds"] for r in members)
+                }
+        entry["per_category"] = per_cat
+        if "steps" in runs[0]:
+            lengths = [n for r in runs for n in r["accepted_lengths"]]
+            steps = sum(r["steps"] for r in runs)
+            entry["mean_accepted_tokens"] = statistics.fmean(lengths) if lengths else 1.0
+            entry["accepted_length_histogram"] = dict(sorted(Counter(lengths).items()))
+            stages = {
+                k: sum(r["stages_s"][k] for r in runs) for k in ("propose", "score", "verify", "commit")
+            }
+            stages["other"] = max(0.0, seconds - sum(stages.values()))
+            entry["stage_ms"] = {k: 1e3 * v / max(steps, 1) for k, v in stages.items()}
+            entry["steps"] = steps  # target forwards, prefill included
+            entry["decode_steps"] = len(lengths)
+        if config.temperature == 0:
+            identical, mismatches = 0, []
+            for r in runs:
+                for i, toks in zip(r["prompts"], r["tokens"], strict=True):
+                    if toks == reference[i]:
+                        identical += 1
+                    else:
+                        mismatches.append(
+                            {"prompt": i, **first_divergence(components, encoded[i], toks, reference[i])}
+                        )
+            entry["identical_to_reference"] = identical / len(pairs)
+            entry["mismatches"] = mismatches
+        else:
+            entry["identical_to_reference"] = None  # sampling: the same distribution, not the same tokens
+        if name == "hf":
+            hf_rate = entry
+        methods.append(entry)
+    if hf_rate is not None:
+        for entry in methods:
+            entry["speedup_vs_hf"] = entry["tokens_per_s"] / hf_rate["tokens_per_s"]
+            for category, values in entry["per_category"].items():
+                values["speedup_vs_hf"] = (
+                    values["tokens_per_s"] / hf_rate["per_category"][category]["tokens_per_s"]
+                )
+    return {"config": {k: v for k, v in asdict(config).items()}, "categories": categories, "methods": methods}
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{'method':<12} {'tok/s':>7} {'vs hf':>6} {'tau':>5} {'same':>5}  stage ms/step "
+             "(propose score verify commit other)  accepted lengths"]  # fmt: skip
+    for m in report["methods"]:
+        same = "-" if m.get("identical_to_reference") is None else f"{m['identical_to_reference']:.2f}"
+        tau = f"{m['mean_accepted_tokens']:.2f}" if "mean_accepted_tokens" in m else "-"
+        speed = f"{m['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in m else "-"
+        stages = " ".join(f"{v:6.1f}" for v in m["stage_ms"].values()) if "stage_ms" in m else ""
+        hist = " ".join(f"{k}:{v}" for k, v in m.get("accepted_length_histogram", {}).items())
+        lines.append(
+            f"{m['name']:<12} {m['tokens_per_s']:7.1f} {speed:>6} {tau:>5} {same:>5}  {stages}  {hist}"
+        )
+        for mismatch in m.get("mismatches", []):
+            lines.append(f"    prompt {mismatch['prompt']}: first differs at token {mismatch['position']} "
+                         f"({mismatch['got']} vs {mismatch['reference']}); target's top-2 logit gap there "
+                         f"{mismatch['top2_logit_gap']:.4f}")  # fmt: skip
+    cats = report["categories"]
+    lines.append("speedup vs hf per category: " + ", ".join(cats))
+    for m in report["methods"]:
+        if "speedup_vs_hf" in m:
+            lines.append(
+                f"  {m['name']:<12} "
+                + " ".join(f"{m['per_category'][c]['speedup_vs_hf']:5.2f}x" for c in cats)
+            )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Speedup per method per prompt category, and the accepted-length histograms."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ValueError("--plot needs matplotlib: pip install 'treespec[plot]'") from exc
+    methods = [m for m in report["methods"] if "speedup_vs_hf" in m]
+    cats = report["categories"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / max(len(methods), 1)
+    for k, m in enumerate(methods):
+        xs = [i + k * width for i in range(len(cats))]
+        left.bar(xs, [m["per_category"][c]["speedup_vs_hf"] for c in cats], width, label=m["name"])
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats)
+    left.set_ylabel("speedup over HF generate")
+    left.legend(fontsize=8)
+    for m in report["methods"]:
+        hist = m.get("accepted_length_histogram")
+        if hist and m["name"] != "none":
+            total = sum(hist.values())
+            right.plot(list(hist), [v / total for v in hist.values()], marker="o", label=m["name"])
+    right.set_xlabel("tokens committed per step")
+    right.set_ylabel("fraction of steps")
+    right.legend(fontsize=8)
+    fig.suptitle(
+        f"{report['config']['model']} {report['config']['dtype']}, batch {report['config']['batch_size']}"
+    )
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -191,22 +191,30 @@ def eagle_loss(head: EagleHead, target: PreTrainedModel, batch: list[Sequence], 
 
 
 def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
-    rows = _flat(batch, config.max_seq_len)
-    logits = heads(torch.cat([h for _, h, _, _ in rows]), target.get_output_embeddings())  # [N, K, V]
-    starts = torch.tensor([0, *[len(t) for t, *_ in rows]]).cumsum(0).tolist()
+    """Head i at position t is trained on the target's token x_{t+i+2}, where that token is one
+    the target generated (answer positions). Only rows with a label go through the heads."""
+    rows, labels = [], []  # per kept row: its hidden state; per head: label (-100: none)
+    num_heads = heads.config.num_heads
+    for tokens, hidden, _, prompt_len in _flat(batch, config.max_seq_len):
+        n = len(tokens)
+        first = max(prompt_len - 2, 0)  # the first t whose x_{t+2} is generated
+        if n - 2 <= first:
+            continue
+        t = torch.arange(first, n - 2)
+        rows.append(hidden[t])
+        target_pos = t[:, None] + 2 + torch.arange(num_heads)  # [rows, K]
+        valid = (target_pos < n) & (target_pos >= prompt_len)
+        labels.append(torch.where(valid, tokens[target_pos.clamp(max=n - 1)], torch.full_like(target_pos, -100)))
+    if not rows:
+        return sum(p.sum() for p in trainable(heads)) * 0  # no answer position in this batch
+    logits = heads(torch.cat(rows), target.get_output_embeddings())  # [N, K, V]
+    labels_t = torch.cat(labels)
     total, weights = logits.new_zeros(()), 0.0
-    for i in range(heads.config.num_heads):
-        offset = i + 2  # head i at position t guesses x_{t+i+2}
-        rows_i, labels = [], []
-        for (tokens, _, _, prompt_len), start in zip(rows, starts, strict=False):
-            first = max(prompt_len - offset, 0)  # only labels the target generated
-            if len(tokens) - offset > first:
-                rows_i.append(torch.arange(start + first, start + len(tokens) - offset))
-                labels.append(tokens[first + offset :])
-        if rows_i:
-            total = total + 0.8**i * F.cross_entropy(logits[torch.cat(rows_i), i], torch.cat(labels))
+    for i in range(num_heads):
+        if (labels_t[:, i] >= 0).any():
+            total = total + 0.8**i * F.cross_entropy(logits[:, i], labels_t[:, i], ignore_index=-100)
             weights += 0.8**i
-    return total / weights if weights else logits.sum() * 0
+    return total / weights
 
 
 def draft_loss(draft: PreTrainedModel, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
@@ -264,12 +272,17 @@ def train(
     optimizer = torch.optim.AdamW(
         trainable(module), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
     )
-    steps_per_epoch = len(make_batches(sequences, config, 0)) // world
-    if steps_per_epoch == 0:
+    # Every epoch packs its own shuffled order, so epochs may differ by a batch: plan them all
+    # up front (each rank the same number of batches) and keep the position within the epoch.
+    plan = []
+    for epoch in range(config.epochs):
+        batches = make_batches(sequences, config, epoch)
+        plan.append(batches[: len(batches) // world * world][rank::world])
+    if not plan or not plan[0]:
         raise ValueError(f"the data makes fewer batches than there are processes ({world})")
-    total_steps = steps_per_epoch * config.epochs
+    total_steps = sum(len(b) for b in plan)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total_steps))
-    state = {"step": 0, "epoch": 0, "history": []}
+    state = {"step": 0, "epoch": 0, "batch": 0, "history": []}
     if resume and (out_dir / CHECKPOINT).is_file():
         state = load_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler)
     loss_fn = LOSSES[config.kind]
@@ -280,11 +293,11 @@ def train(
     stopped = False
     while state["epoch"] < config.epochs and not stopped:
         epoch = state["epoch"]
-        batches = make_batches(sequences, config, epoch)[: steps_per_epoch * world][rank::world]
-        first = state["step"] - epoch * steps_per_epoch
+        batches = plan[epoch]
         losses = []
         module.train()
-        for batch in batches[first:]:
+        while state["batch"] < len(batches):
+            batch = batches[state["batch"]]
             loss = loss_fn(module, target, [sequences[i] for i in batch], config)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -294,6 +307,7 @@ def train(
             optimizer.step()
             scheduler.step()
             state["step"] += 1
+            state["batch"] += 1
             losses.append(loss.item())
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
@@ -302,8 +316,10 @@ def train(
             if max_steps is not None and state["step"] >= max_steps:
                 stopped = True
                 break
-        if stopped and state["step"] - epoch * steps_per_epoch < len(batches):
-            break  # a partial epoch: no evaluation, the checkpoint resumes mid-epoch
+        if state["batch"] < len(batches):
+            break  # stopped inside the epoch: no evaluation, the checkpoint resumes at this batch
+        state["epoch"] += 1
+        state["batch"] = 0
         state["epoch"] += 1
         record = {"epoch": epoch + 1, "steps": state["step"], "mean_loss": sum(losses) / max(len(losses), 1)}
         if rank == 0 and eval_prompts:

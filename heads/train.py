@@ -204,7 +204,9 @@ def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequenc
         rows.append(hidden[t])
         target_pos = t[:, None] + 2 + torch.arange(num_heads)  # [rows, K]
         valid = (target_pos < n) & (target_pos >= prompt_len)
-        labels.append(torch.where(valid, tokens[target_pos.clamp(max=n - 1)], torch.full_like(target_pos, -100)))
+        labels.append(
+            torch.where(valid, tokens[target_pos.clamp(max=n - 1)], torch.full_like(target_pos, -100))
+        )
     if not rows:
         return sum(p.sum() for p in trainable(heads)) * 0  # no answer position in this batch
     logits = heads(torch.cat(rows), target.get_output_embeddings())  # [N, K, V]

@@ -438,3 +438,24 @@ def test_published_eagle_missing_tensors_and_unknown_layouts(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"something": 1}))
     with pytest.raises(ValueError, match="unknown head layout None"):
         heads_module.load(tmp_path)
+
+
+def test_auto_proposer_uses_the_shipped_head_of_the_model(tmp_path, monkeypatch):
+    """proposer="auto": the EAGLE head shipped for the model (recognised by its folder's name),
+    adaptive budget; the n-gram trie for a model without heads. The output stays exact."""
+    from treespec.budget import AdaptiveProposer
+    from treespec.proposers import NgramProposer
+    from treespec.proposers.auto import auto_proposer
+
+    model, want = oracle_table(PROMPTS[:2], 8)("llama")
+    assert isinstance(auto_proposer(model), NgramProposer)
+    random_head(model).save(tmp_path / "head")
+    model.name_or_path = str(tmp_path / "tiny-llama")
+    monkeypatch.setitem(heads_module.SHIPPED_FOR, "tiny-llama", {"eagle": "tiny-llama-eagle"})
+    monkeypatch.setitem(heads_module._REGISTRY, "tiny-llama-eagle", tmp_path / "head")
+    proposer = auto_proposer(model, batch_size=2)
+    assert isinstance(proposer, AdaptiveProposer) and isinstance(proposer.proposer, EagleProposer)
+    out = treespec.generate(model, PROMPTS[:2], max_new_tokens=8, proposer="auto")
+    assert out.sequences == want
+    with pytest.raises(ValueError, match='"auto"'):
+        treespec.generate(model, PROMPTS[:1], proposer="eagle")

@@ -119,7 +119,7 @@ def generate(
     target: Target | PreTrainedModel,
     input_ids,
     *,
-    proposer: Proposer | None = None,
+    proposer: Proposer | str | None = None,
     max_new_tokens: int = 32,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -136,7 +136,8 @@ def generate(
     ``eos_token_id=None`` takes the model's ``generation_config.eos_token_id`` (as HF does); pass
     ``[]`` to never stop early. ``temperature=0`` is greedy. ``streamer`` follows HF's protocol
     (``put`` then ``end``) and needs a single prompt. ``proposer`` drafts token trees
-    (``treespec.proposers``); None decodes autoregressively. The output is the target's either way.
+    (``treespec.proposers``); None decodes autoregressively; ``"auto"`` uses the heads shipped for
+    this model (``treespec.proposers.auto``). The output is the target's either way.
     """
     target = target if isinstance(target, Target) else Target(target)
     prompts = as_prompts(input_ids, attention_mask)
@@ -151,6 +152,12 @@ def generate(
         raise ValueError(
             f"prompt + max_new_tokens = {longest} tokens exceeds the model's context of {target.max_context}"
         )
+    if isinstance(proposer, str):
+        if proposer != "auto":
+            raise ValueError(f'proposer must be a Proposer, None or "auto", got {proposer!r}')
+        from treespec.proposers.auto import auto_proposer
+
+        proposer = auto_proposer(target.model, batch_size=len(prompts), target=target)
     start = time.perf_counter()
     engine = Engine(
         target,

@@ -1,0 +1,39 @@
+"""``proposer="auto"``: the heads shipped for the target, when there are some.
+
+The target is recognised by the folder it was loaded from (``treespec.models.load`` names it
+after the registry entry, e.g. ``smollm2-135m-instruct``). The choice: the shipped EAGLE head on
+an EAGLE-2 dynamic tree of at most 31 drafted nodes whose size the adaptive budget picks each
+step (``treespec.budget``), the forward-cost curve measured once per target and batch size.
+Without shipped heads: the n-gram trie, which needs nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from treespec.proposers.base import Proposer
+
+_COSTS: dict[tuple[int, int], object] = {}  # (id(model), batch size) -> CostModel
+
+
+def model_name(model: PreTrainedModel) -> str:
+    return Path(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")).name
+
+
+def auto_proposer(model: PreTrainedModel, *, batch_size: int = 1, target=None) -> Proposer:
+    from treespec import heads
+    from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
+    from treespec.proposers import EagleProposer, NgramProposer
+    from treespec.target import Target
+
+    shipped = heads.shipped_for(model_name(model))
+    if "eagle" not in shipped:
+        return NgramProposer(max_depth=8, max_nodes=32, token_cost=0.3)
+    head = heads.load(shipped["eagle"], dtype=model.dtype, device=str(model.device))
+    key = (id(model), batch_size)
+    if key not in _COSTS:
+        _COSTS[key] = CostModel.measure(target or Target(model), batch_size=batch_size, repeats=3)
+    eagle = EagleProposer(head, model, depth=6, top_k=8, total_tokens=31, max_batch_size=batch_size)
+    return AdaptiveProposer(eagle, BudgetChooser(_COSTS[key]))

@@ -322,7 +322,6 @@ def train(
             break  # stopped inside the epoch: no evaluation, the checkpoint resumes at this batch
         state["epoch"] += 1
         state["batch"] = 0
-        state["epoch"] += 1
         record = {"epoch": epoch + 1, "steps": state["step"], "mean_loss": sum(losses) / max(len(losses), 1)}
         if rank == 0 and eval_prompts:
             record["tau"] = evaluate_tau(config, module, target, eval_prompts)

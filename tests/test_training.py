@@ -14,7 +14,7 @@ from treespec import heads as heads_module
 from treespec.heads import data as data_module
 from treespec.heads.data import HeadDataset, write_dataset
 from treespec.heads.prompts import DEV_PROMPTS, read_prompt_file, train_prompts
-from treespec.heads.train import LOSSES, TrainConfig, build_module, train, trainable
+from treespec.heads.train import LOSSES, TrainConfig, build_module, make_batches, train, trainable
 
 PROMPTS = [list(range(5, 12)), [20, 21, 22], list(range(30, 45)), [7, 8], [50, 51, 52, 53], [90, 3]]
 LAYERS = (0, 1, 1)
@@ -98,7 +98,9 @@ def test_resume_continues_exactly(tiny_data, tmp_path, kind):
     whole = train(config, model, data, tmp_path / "whole", progress=False)
     train(config, model, data, tmp_path / "cut", max_steps=3, progress=False)
     resumed = train(config, model, data, tmp_path / "cut", resume=True, progress=False)
-    assert resumed["steps"] == whole["steps"] > 3
+    planned = sum(len(make_batches(data.sequences(), config, epoch)) for epoch in range(config.epochs))
+    assert resumed["steps"] == whole["steps"] == planned > 3  # every batch of every epoch, once
+    assert [r["epoch"] for r in whole["history"]] == [1, 2] == [r["epoch"] for r in resumed["history"]]
     a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)
     b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
     for name, tensor in a["module"].items():

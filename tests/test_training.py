@@ -240,3 +240,25 @@ def test_train_heads_cli_end_to_end(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     assert main(["train-heads", "data", "--model", str(tmp_path / "tiny"), "--out", str(tmp_path / "d2"),
                  "--prompts", str(tmp_path / "empty.txt"), "--no-builtin-prompts"]) == 2  # fmt: skip
+
+
+def test_draft_exports_as_a_standalone_hf_model(tiny_data, tmp_path):
+    """The draft saved for treespec reuses the target's tables; exported, it is a plain HF model
+    folder (tables included) that AutoModelForCausalLM loads with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from treespec.heads.draft import export_draft_hf, load_draft, make_draft, save_draft
+
+    model, _ = tiny_data
+    draft = make_draft(model, 1)
+    save_draft(draft, tmp_path / "draft", dtype=torch.float32)
+    loaded = load_draft(tmp_path / "draft", model)
+    assert loaded.get_input_embeddings() is model.get_input_embeddings()
+    export_draft_hf(loaded, tmp_path / "hf")
+    standalone = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(standalone(ids).logits, draft(ids).logits)
+    assert standalone.config.num_hidden_layers == 1
+    with pytest.raises(ValueError, match="num_layers"):
+        make_draft(model, 2)

@@ -159,12 +159,13 @@ class BudgetChooser:
         return totals, depths
 
     def choose(
-        self, rates: list[list[float]], batch_size: int, cap: int | None = None
+        self, rates: list[list[float]], batch_size: int, cap: int | None = None, min_nodes: int = 0
     ) -> tuple[int, int, float]:
-        """(nodes per request, depth, expected tokens per second) for B requests."""
+        """(nodes per request, depth, expected tokens per second) for B requests, with at least
+        ``min_nodes`` nodes."""
         totals, depths = self.expected_tokens(rates, min(cap or self.max_nodes, self.max_nodes))
         best = (0, 0, 0.0)
-        for n in range(len(totals)):
+        for n in range(min(min_nodes, len(totals) - 1), len(totals)):
             seconds = self.forward_cost(batch_size * (n + 1))
             if self.propose_cost is not None and n:
                 seconds += self.propose_cost(n)
@@ -178,8 +179,15 @@ class AdaptiveProposer:
     """A proposer whose tree size is chosen every step by a :class:`BudgetChooser`."""
 
     def __init__(
-        self, proposer: Proposer, chooser: BudgetChooser, stats: AcceptanceStats | None = None
+        self,
+        proposer: Proposer,
+        chooser: BudgetChooser,
+        stats: AcceptanceStats | None = None,
+        probe_every: int = 8,
     ) -> None:
+        """``probe_every``: when speculating does not pay, still draft the best non-empty tree
+        every this many steps, so the acceptance estimates keep learning (else a pessimistic
+        start would never be corrected)."""
         if not hasattr(proposer, "set_budget"):
             raise TypeError(
                 f"{type(proposer).__name__} has no set_budget(num_nodes, depth): its budget is fixed"
@@ -193,6 +201,8 @@ class AdaptiveProposer:
         self.hidden_layers = getattr(proposer, "hidden_layers", ())
         if hasattr(proposer, "vocab_size"):
             self.vocab_size = proposer.vocab_size
+        self.probe_every = probe_every
+        self._idle = 0  # steps since the last tree
         self.chosen: list[int] = []  # nodes per request, per step
         self._trees: dict[int, tuple[list[int], list[int]]] = {}
         self._propose_times: list[tuple[int, float]] = []  # (nodes, seconds) of recent proposals
@@ -212,7 +222,14 @@ class AdaptiveProposer:
         return max(0.0, mean_t + slope * (nodes - mean_n))
 
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
-        nodes, depth, _ = self.chooser.choose(self.stats.rates(), len(requests), cap=self.max_tree_nodes - 1)
+        rates = self.stats.rates()
+        nodes, depth, _ = self.chooser.choose(rates, len(requests), cap=self.max_tree_nodes - 1)
+        self._idle = 0 if nodes else self._idle + 1
+        if self._idle >= self.probe_every:  # a probe: the best tree that drafts something
+            nodes, depth, _ = self.chooser.choose(
+                rates, len(requests), cap=self.max_tree_nodes - 1, min_nodes=1
+            )
+            self._idle = 0
         self.chosen.append(nodes)
         if nodes == 0:
             tree = TokenTree.from_lists([[r.tokens[-1]] for r in requests])

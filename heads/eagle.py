@@ -23,17 +23,17 @@ over a KV cache with tree masks (the proposer) or over whole sequences (training
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from treespec.heads.folder import read_folder, write_folder
 
 HEAD_TYPE = "eagle"
 
@@ -276,28 +276,15 @@ class EagleHead(nn.Module):
 
     def save(self, folder: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors`` into ``folder``."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(self.config.to_json(), indent=2))
-        save_file(
-            {k: v.contiguous() for k, v in self.state_dict().items()}, str(folder / "model.safetensors")
-        )
-        return folder
+        return write_folder(folder, self.config.to_json(), self.state_dict())
 
     @classmethod
     def from_folder(
         cls, folder: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
     ) -> EagleHead:
-        folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text())
-        if config.pop("head_type", None) != HEAD_TYPE:
-            raise ValueError(
-                f"{folder}/config.json does not describe an EAGLE head (head_type {HEAD_TYPE!r})"
-            )
+        config, state = read_folder(folder, HEAD_TYPE, "an EAGLE head")
         head = cls(EagleConfig(**config))
-        head.load_weights(
-            load_file(str(folder / "model.safetensors")), source=str(folder / "model.safetensors")
-        )
+        head.load_weights(state, source=f"{folder}/model.safetensors")
         return head.to(device=device, dtype=dtype).eval()
 
     def load_weights(self, state: dict[str, torch.Tensor], *, source: str) -> None:

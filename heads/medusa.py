@@ -7,13 +7,13 @@ with ``config.json`` and ``model.safetensors``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
+
+from treespec.heads.folder import read_folder, write_folder
 
 HEAD_TYPE = "medusa"
 
@@ -75,26 +75,14 @@ class MedusaHeads(nn.Module):
 
     def save(self, folder: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors`` into ``folder``."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(
-            json.dumps({"head_type": HEAD_TYPE, **asdict(self.config)}, indent=2)
-        )
-        save_file(
-            {k: v.contiguous() for k, v in self.state_dict().items()}, str(folder / "model.safetensors")
-        )
-        return folder
+        return write_folder(folder, {"head_type": HEAD_TYPE, **asdict(self.config)}, self.state_dict())
 
     @classmethod
     def from_folder(
         cls, folder: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
     ) -> MedusaHeads:
-        folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text())
-        if config.pop("head_type", None) != HEAD_TYPE:
-            raise ValueError(f"{folder}/config.json does not describe Medusa heads (head_type {HEAD_TYPE!r})")
+        config, state = read_folder(folder, HEAD_TYPE, "Medusa heads")
         heads = cls(MedusaConfig(**config))
-        state = load_file(str(folder / "model.safetensors"))
         missing = sorted(set(heads.state_dict()) - set(state))
         if missing:
             raise ValueError(f"{folder}/model.safetensors is missing tensors: {', '.join(missing)}")

@@ -72,12 +72,14 @@ def test_adaptive_proposer_keeps_output_exact_and_adapts():
 
 
 def test_a_pessimistic_budget_still_probes_and_learns():
-    """A cost curve where no tree pays: the proposer drafts nothing most steps, but every
-    probe_every-th step it drafts the best non-empty tree, and the statistics see it."""
+    """A cost curve where no tree pays: the proposer drafts nothing most steps, but probes with
+    the best non-empty tree after probe_every idle steps, backing off while probes do not pay,
+    and the statistics see the probes."""
     model = build("llama")
     eagle = EagleProposer(random_head(model), model, top_k=2, depth=3, total_tokens=6)
     steep = BudgetChooser(CostModel([1, 8, 64], [1.0, 8.0, 64.0]))
     proposer = AdaptiveProposer(eagle, steep, probe_every=4)
-    treespec.generate(model, [[5, 6, 7]], max_new_tokens=13, proposer=proposer)
-    assert proposer.chosen[:3] == [0, 0, 0] and proposer.chosen[3] >= 1
+    treespec.generate(model, [[5, 6, 7]], max_new_tokens=40, proposer=proposer)
+    probes = [i for i, n in enumerate(proposer.chosen) if n]
+    assert probes[:3] == [3, 11, 27]  # waits of 4, then 8, then 16 idle steps (a random head never pays)
     assert proposer.stats.trials[0] >= 1

@@ -186,8 +186,9 @@ class AdaptiveProposer:
         probe_every: int = 8,
     ) -> None:
         """``probe_every``: when speculating does not pay, still draft the best non-empty tree
-        every this many steps, so the acceptance estimates keep learning (else a pessimistic
-        start would never be corrected)."""
+        after this many idle steps, so the acceptance estimates keep learning (else a
+        pessimistic start would never be corrected). Each probe that leaves the choice at "no
+        tree" doubles the wait, up to 8x; a tree chosen on its merits resets it."""
         if not hasattr(proposer, "set_budget"):
             raise TypeError(
                 f"{type(proposer).__name__} has no set_budget(num_nodes, depth): its budget is fixed"
@@ -203,6 +204,7 @@ class AdaptiveProposer:
             self.vocab_size = proposer.vocab_size
         self.probe_every = probe_every
         self._idle = 0  # steps since the last tree
+        self._wait = probe_every  # idle steps before the next probe
         self.chosen: list[int] = []  # nodes per request, per step
         self._trees: dict[int, tuple[list[int], list[int]]] = {}
         self._propose_times: list[tuple[int, float]] = []  # (nodes, seconds) of recent proposals
@@ -224,12 +226,15 @@ class AdaptiveProposer:
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
         rates = self.stats.rates()
         nodes, depth, _ = self.chooser.choose(rates, len(requests), cap=self.max_tree_nodes - 1)
-        self._idle = 0 if nodes else self._idle + 1
-        if self._idle >= self.probe_every:  # a probe: the best tree that drafts something
+        if nodes:
+            self._idle, self._wait = 0, self.probe_every
+        else:
+            self._idle += 1
+        if self._idle >= self._wait:  # a probe: the best tree that drafts something
             nodes, depth, _ = self.chooser.choose(
                 rates, len(requests), cap=self.max_tree_nodes - 1, min_nodes=1
             )
-            self._idle = 0
+            self._idle, self._wait = 0, min(2 * self._wait, 8 * self.probe_every)
         self.chosen.append(nodes)
         if nodes == 0:
             tree = TokenTree.from_lists([[r.tokens[-1]] for r in requests])

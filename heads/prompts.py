@@ -13,7 +13,6 @@ Three disjoint sets (docs/training.md records the split):
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from pathlib import Path
 
@@ -104,19 +103,8 @@ def train_prompts(seed: int = 0) -> list[str]:
 
 
 def read_prompt_file(path: str | Path) -> list[str]:
-    """Prompts from a JSON-lines file (``turns[0]``, ``question`` or ``prompt``) or plain text
-    (one prompt per non-empty line)."""
-    path = Path(path)
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    if not lines:
-        raise ValueError(f"{path} holds no prompts (the file is empty)")
-    if not lines[0].lstrip().startswith("{"):
-        return lines
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        record = json.loads(line)
-        text = (record.get("turns") or [None])[0] or record.get("question") or record.get("prompt")
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"{path}:{number}: no prompt in any of the fields turns[0], question, prompt")
-        prompts.append(text)
-    return prompts
+    """Prompts from a file (``treespec.prompts.read_prompt_records``: JSON lines with
+    ``turns[0]``, ``question`` or ``prompt``, or plain text with one prompt per line)."""
+    from treespec.prompts import read_prompt_records
+
+    return [text for _, text in read_prompt_records(path)]

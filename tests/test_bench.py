@@ -10,10 +10,11 @@ import torch
 from conftest import build
 from test_eagle import random_head
 
-from treespec.benchmark import BenchConfig, Components, read_prompt_file, summarise
+from treespec.benchmark import BenchConfig, Components, summarise
 from treespec.cli import main
 from treespec.heads.draft import make_draft, save_draft
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
+from treespec.prompts import read_prompt_records
 
 KEYS = {"name", "tokens_per_s", "speedup_vs_hf", "mean_accepted_tokens", "identical_to_reference", "stage_ms"}
 
@@ -112,12 +113,12 @@ def test_identity_check_flags_an_injected_divergence(tmp_path):
 
 def test_bad_input(tmp_path, capsys):
     with pytest.raises(ValueError, match="looked for turns\\[0\\], question, prompt"):
-        read_prompt_file(write_prompts(tmp_path / "p.jsonl", [{"text": "hello"}]))
+        read_prompt_records(write_prompts(tmp_path / "p.jsonl", [{"text": "hello"}]))
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="is empty"):
-        read_prompt_file(str(tmp_path / "empty.jsonl"))
+        read_prompt_records(str(tmp_path / "empty.jsonl"))
     with pytest.raises(ValueError, match="does not exist"):
-        read_prompt_file(str(tmp_path / "missing.jsonl"))
+        read_prompt_records(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="unknown method"):
         BenchConfig(proposers=("speculate",))
     with pytest.raises(ValueError, match="unknown baseline"):

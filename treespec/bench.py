@@ -24,12 +24,10 @@ import torch
 from transformers import DynamicCache
 
 import treespec
-from treespec.benchmark import left_pad
+from treespec.benchmark import DTYPES, left_pad
 from treespec.models import load
 from treespec.prompts import DEFAULT_PROMPTS, encode_prompts
 from treespec.target import Target
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)

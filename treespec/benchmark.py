@@ -32,12 +32,11 @@ from tqdm import tqdm
 
 import treespec
 from treespec.models import load
-from treespec.prompts import BENCH_PROMPTS, encode_prompts
+from treespec.prompts import BENCH_PROMPTS, encode_prompts, read_prompt_records
 
 METHODS = ("none", "ngram", "draft", "medusa", "eagle", "hybrid")
 BASELINES = ("hf", "hf-pld", "hf-assisted")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PROMPT_FIELDS = ("turns[0]", "question", "prompt")
 
 
 @dataclass(frozen=True)
@@ -83,33 +82,6 @@ class BenchConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: CUDA is not available on this machine")
-
-
-def read_prompt_file(path: str) -> list[tuple[str, str]]:
-    """(category, prompt) pairs from JSON lines; the prompt is ``turns[0]``, ``question`` or
-    ``prompt`` (the first that exists), the category ``category`` (else "all")."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"prompt file {path} does not exist")
-    lines = [line for line in file.read_text().splitlines() if line.strip()]
-    if not lines:
-        raise ValueError(f"prompt file {path} is empty")
-    out = []
-    for number, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
-        turns = row.get("turns") if isinstance(row, dict) else None
-        text = (
-            (turns[0] if isinstance(turns, list) and turns else None)
-            or row.get("question")
-            or row.get("prompt")
-        )
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"{path}:{number}: no usable prompt; looked for {', '.join(PROMPT_FIELDS)}")
-        out.append((str(row.get("category", "all")), text))
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,7 +234,7 @@ def first_divergence(components: Components, prompt: list[int], got: list[int], 
 
 def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
     torch.manual_seed(config.seed)
-    pairs = read_prompt_file(config.prompts) if config.prompts else list(BENCH_PROMPTS)
+    pairs = read_prompt_records(config.prompts) if config.prompts else list(BENCH_PROMPTS)
     if config.per_category is not None:
         taken: Counter = Counter()
         pairs = [p for p in pairs if (taken.update([p[0]]) or taken[p[0]] <= config.per_category)]

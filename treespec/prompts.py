@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 PASSAGE = (
     "The library in the village of Ashford opened in 1911 with three hundred books donated by a"
     " retired sea captain. For decades it occupied a single room above the post office, and the"
@@ -53,3 +56,36 @@ def encode_prompts(tokenizer, prompts: list[str], *, chat: bool = True) -> list[
             for p in prompts
         ]
     return [tokenizer(p)["input_ids"] for p in prompts]
+
+
+PROMPT_FIELDS = ("turns[0]", "question", "prompt")
+
+
+def read_prompt_records(path: str | Path) -> list[tuple[str, str]]:
+    """(category, prompt) pairs from a prompt file: JSON lines (the prompt is ``turns[0]``,
+    ``question`` or ``prompt``, the first that exists; the category ``category``, else "all"),
+    or plain text with one prompt per non-empty line (category "all")."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"prompt file {path} does not exist")
+    lines = [line for line in file.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"prompt file {path} is empty: it holds no prompts")
+    if not lines[0].lstrip().startswith("{"):
+        return [("all", line) for line in lines]
+    out = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        turns = row.get("turns") if isinstance(row, dict) else None
+        text = (
+            (turns[0] if isinstance(turns, list) and turns else None)
+            or row.get("question")
+            or row.get("prompt")
+        )
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{path}:{number}: no usable prompt; looked for {', '.join(PROMPT_FIELDS)}")
+        out.append((str(row.get("category", "all")), text))
+    return out

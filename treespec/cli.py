@@ -116,7 +116,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--baselines", type=_csv(str), default=("hf", "hf-pld", "hf-assisted"),
                        help="comma list of hf (HF generate), hf-pld (prompt lookup), hf-assisted (shipped draft)")  # fmt: skip
     bench.add_argument("--prompts", default=None,
-                       help="JSON lines; the prompt is turns[0], question or prompt; 'category' groups them")  # fmt: skip
+                       help="JSON lines (the prompt is turns[0], question or prompt; category groups them) or one prompt per line")  # fmt: skip
     bench.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     bench.add_argument(
         "--per-category", type=int, default=None, help="use the first N prompts of each category"

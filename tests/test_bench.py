@@ -62,7 +62,8 @@ def test_cli_runs_every_method_and_baseline_end_to_end(tmp_path):
     names = [m["name"] for m in report["methods"]]
     assert names == ["hf", "hf-pld", "hf-assisted", "none", "ngram", "draft", "medusa", "eagle", "hybrid"]
     assert set(report["config"]) >= {"model", "proposers", "baselines", "max_new_tokens", "dtype", "temperature",
-                                     "batch_size", "seed", "warmup", "json", "plot", "device", "budget"}  # fmt: skip
+                                     "batch_size", "seed", "warmup", "json", "plot", "device", "budget",
+                                     "linear_backend"}  # fmt: skip
     for method in report["methods"]:
         if method["kind"] == "treespec":
             assert KEYS <= set(method) and set(method["stage_ms"]) == {
@@ -123,6 +124,8 @@ def test_bad_input(tmp_path, capsys):
         BenchConfig(proposers=("speculate",))
     with pytest.raises(ValueError, match="unknown baseline"):
         BenchConfig(baselines=("vllm",))
+    with pytest.raises(ValueError, match="linear_backend must be one of"):
+        BenchConfig(linear_backend="fast")
     assert main(["bench", "--proposer", "magic"]) == 2
     assert "unknown method" in capsys.readouterr().err
     tiny_model_folder(tmp_path)

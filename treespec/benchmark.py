@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 import treespec
+from treespec.linear import LINEAR_BACKENDS
 from treespec.models import load
 from treespec.prompts import BENCH_PROMPTS, encode_prompts, read_prompt_records
 
@@ -55,6 +56,7 @@ class BenchConfig:
     warmup: int = 1
     device: str = "cpu"
     budget: str = "adaptive"  # or "fixed": the proposers' own sizes (31 drafted nodes)
+    linear_backend: str = "auto"  # treespec's target (treespec.linear); the HF baselines run natively
     heads: tuple[tuple[str, str], ...] = ()  # (kind, folder or registered name): overrides the shipped heads
     json: str | None = None
     plot: str | None = None
@@ -71,6 +73,8 @@ class BenchConfig:
         object.__setattr__(self, "methods", tuple(dict.fromkeys(["none", *wanted])))  # the reference first
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         if self.budget not in ("adaptive", "fixed"):
             raise ValueError(f"budget must be 'adaptive' or 'fixed', got {self.budget!r}")
         for name in ("max_new_tokens", "batch_size"):
@@ -99,7 +103,7 @@ class Components:
         self.config = config
         self.hf_model, self.tokenizer = load(config.model, dtype=dtype, device=device)
         self.model, _ = load(config.model, dtype=dtype, device=device)  # treespec's copy: HF keeps SDPA
-        self.target = treespec.Target(self.model)
+        self.target = treespec.Target(self.model, linear_backend=self.config.linear_backend)
         self.shipped = {**heads.shipped_for(config.model), **dict(config.heads)}
         self._heads: dict[str, object] = {}
         self.cost_model = None

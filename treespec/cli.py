@@ -129,6 +129,8 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--warmup", type=int, default=1, help="warm-up runs of every method (short)")
     bench.add_argument("--budget", choices=["adaptive", "fixed"], default="adaptive",
                        help="tree size per step: chosen from measured costs and acceptance, or fixed (31 nodes)")  # fmt: skip
+    bench.add_argument("--linear-backend", default="auto", choices=["auto", "native", "fp32-kmajor"],
+                       help="treespec's linear layers: auto = fp32-kmajor on a CPU (cheap multi-token steps)")  # fmt: skip
     bench.add_argument("--json", default="bench_results/bench.json", help="report path")
     bench.add_argument("--plot", default=None, help="PNG: speedup per category, accepted-length histograms")
     bench.add_argument("--heads", action="append", default=[], metavar="KIND=PATH",
@@ -156,7 +158,7 @@ def _bench(args: argparse.Namespace) -> int:
         model=args.model, proposers=tuple(args.proposer), baselines=tuple(args.baselines), prompts=args.prompts,
         num_prompts=args.num_prompts, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         dtype=args.dtype, temperature=args.temperature, batch_size=args.batch_size, seed=args.seed,
-        warmup=args.warmup, budget=args.budget, json=args.json, plot=args.plot, device=args.device,
+        warmup=args.warmup, budget=args.budget, linear_backend=args.linear_backend, json=args.json, plot=args.plot, device=args.device,
         heads=tuple(_kind_path(h) for h in args.heads),
     )  # fmt: skip
     run(config)

@@ -185,6 +185,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One round: propose trees, score everything in one forward, verify, commit, emit."""
+        with self.target.linears():  # the heads read out through the target's layers too
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         self._admit()
         if not self._running:

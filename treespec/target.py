@@ -15,6 +15,7 @@ written to cache position ``prefix_lens[b] + i`` before attention.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from treespec import linear
 from treespec.cache import KVCache
 from treespec.kernels.tree_attention import (
     AttentionPlan,
@@ -218,11 +220,18 @@ def _check_causal_lm(model: object) -> None:
 class Target:
     """A wrapped HF causal LM that scores flattened ragged batches of chains and trees."""
 
-    def __init__(self, model: PreTrainedModel, *, attention_backend: str = "auto") -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, attention_backend: str = "auto", linear_backend: str = "auto"
+    ) -> None:
         """``attention_backend``: "auto" (Triton on CUDA, the PyTorch reference elsewhere),
-        "triton" or "reference"; a forced backend that cannot run here raises at once."""
+        "triton" or "reference"; a forced backend that cannot run here raises at once.
+        ``linear_backend``: "auto" ("fp32-kmajor" on a CPU, see :mod:`treespec.linear`, "native"
+        elsewhere), "native" (the model's own layers) or "fp32-kmajor"."""
         _check_causal_lm(model)
         self.attention_backend = resolve_backend(attention_backend, model.device)
+        self.linear_backend = linear.resolve_linear_backend(linear_backend, model.device)
+        if self.linear_backend == "fp32-kmajor":
+            linear.install(model)
         self.model = model.eval()
         self.model.set_attn_implementation(ATTENTION_NAME)
         config = model.config
@@ -240,6 +249,11 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
+
+    def linears(self) -> contextlib.AbstractContextManager:
+        """The context in which this target's linear backend is in force (the engine holds it
+        over a whole step, so heads reading out through the target's LM head share it)."""
+        return linear.active() if self.linear_backend == "fp32-kmajor" else contextlib.nullcontext()
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """A cache shaped for this model. It may hold a little more than the model's context: a
@@ -279,16 +293,17 @@ class Target:
         device = self.device
         step = StepMetadata.build(cache, cu_q, slots, tree_mask, depth, backend=self.attention_backend)
         q_positions = step.q_positions.long()
-        out = self.model(
-            input_ids=tokens.to(device)[None],
-            position_ids=q_positions[None],
-            use_cache=False,
-            output_hidden_states=return_hidden or bool(hidden_layers),
-            logits_to_keep=torch.arange(len(tokens), device=device)
-            if logit_rows is None
-            else logit_rows.to(device),
-            **{STEP_KWARG: step},
-        )
+        with self.linears():
+            out = self.model(
+                input_ids=tokens.to(device)[None],
+                position_ids=q_positions[None],
+                use_cache=False,
+                output_hidden_states=return_hidden or bool(hidden_layers),
+                logits_to_keep=torch.arange(len(tokens), device=device)
+                if logit_rows is None
+                else logit_rows.to(device),
+                **{STEP_KWARG: step},
+            )
         states = out.hidden_states  # (embeddings, layer 1, ..., final normed) or None
         return TargetOutput(
             logits=out.logits[0].float(),

@@ -116,9 +116,10 @@ class SpeculativeCausalLM:
     """A causal LM whose ``generate`` runs on treespec and returns what HF's ``generate`` returns.
 
     ``proposer`` drafts token trees for speculative decoding (None: autoregressive decoding).
-    ``prefill_chunk_size`` splits long prompts into chunks; ``attention_backend`` is handed to
-    :class:`~treespec.target.Target` ("auto", "triton" or "reference"). Wrapping switches the
-    model's attention to treespec's; the model's own ``generate`` and ``forward`` keep working.
+    ``prefill_chunk_size`` splits long prompts into chunks; ``attention_backend`` ("auto",
+    "triton" or "reference") and ``linear_backend`` ("auto", "native" or "fp32-kmajor") are
+    handed to :class:`~treespec.target.Target`. Wrapping switches the model's attention to
+    treespec's; the model's own ``generate`` and ``forward`` keep working as before.
     """
 
     def __init__(
@@ -128,8 +129,9 @@ class SpeculativeCausalLM:
         *,
         prefill_chunk_size: int | None = None,
         attention_backend: str = "auto",
+        linear_backend: str = "auto",
     ) -> None:
-        self.target = Target(model, attention_backend=attention_backend)
+        self.target = Target(model, attention_backend=attention_backend, linear_backend=linear_backend)
         self.model = model
         self.proposer = proposer
         self.prefill_chunk_size = prefill_chunk_size

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from treespec import linear
 from treespec.cache import KVCache
 from treespec.heads.eagle import EagleHead, default_feature_layers
 from treespec.kernels.tree_attention import resolve_backend
@@ -76,6 +77,7 @@ class EagleProposer:
                 f"total_tokens={total_tokens}"
             )
         self.head = head.eval()
+        linear.install(self.head)  # used inside an engine step whose target runs fp32-kmajor
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self._max = (depth, total_tokens)  # set_budget never exceeds what the cache was sized for
         self.max_tree_nodes = total_tokens + 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from treespec import linear
 from treespec.heads.medusa import MedusaHeads
 from treespec.proposers.base import ProposalRequest
 from treespec.tree import TokenTree, TreeShape, build_dynamic_tree, build_static_tree, chain
@@ -43,6 +44,7 @@ class MedusaProposer:
                 f"Medusa heads have a vocabulary of {config.vocab_size}, the target {target_vocab}"
             )
         self.heads = heads.eval()
+        linear.install(self.heads)  # used inside an engine step whose target runs fp32-kmajor
         self.shape = tree or chain(config.num_heads)
         if self.shape.max_depth > config.num_heads:
             raise ValueError(

@@ -10,7 +10,7 @@ import torch
 from conftest import build
 from test_eagle import random_head
 
-from treespec.benchmark import BenchConfig, Components, summarise
+from treespec.benchmark import BenchConfig, Components, category_batches, summarise
 from treespec.cli import main
 from treespec.heads.draft import make_draft, save_draft
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
@@ -81,6 +81,19 @@ def test_cli_runs_every_method_and_baseline_end_to_end(tmp_path):
                  "--baselines", "hf,hf-pld", "--heads", f"eagle={tmp_path / 'eagle'}"]) == 0  # fmt: skip
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["skipped_baselines"] == {"hf-pld": "HF supports it at batch size 1 only"}
+    assert report["batch_sizes_run"] == {"1": 1, "2": 1}  # two "copy" prompts together, "free" alone
+    assert set(report["methods"][0]["per_category"]) == {"copy", "free"}
+    fixed_31 = report["methods"][-1]
+    assert fixed_31["name"] == "eagle" and fixed_31["mean_drafted_nodes"] > 4  # random heads: trees of ~31
+    assert main([*argv[:-6], "--proposer", "eagle", "--budget", "4", "--baselines", "hf",
+                 "--heads", f"eagle={tmp_path / 'eagle'}"]) == 0  # fmt: skip
+    eagle = json.loads((tmp_path / "out.json").read_text())["methods"][-1]
+    assert 0 < eagle["mean_drafted_nodes"] <= 4 and eagle["identical_to_reference"] == 1.0
+
+
+def test_batches_stay_within_a_category():
+    assert category_batches(["a", "b", "a", "a", "b", "c"], 2) == [[0, 2], [3], [1, 4], [5]]
+    assert category_batches(["a", "a", "a"], 1) == [[0], [1], [2]]
 
 
 def test_identity_check_flags_an_injected_divergence(tmp_path):
@@ -101,6 +114,7 @@ def test_identity_check_flags_an_injected_divergence(tmp_path):
         r.update(
             steps=4,
             accepted_lengths=[1, 1, 1, 1],
+            drafted_nodes=0,
             stages_s=dict.fromkeys(["propose", "score", "verify", "commit"], 0.1),
         )
     report = summarise(config, components, pairs, encoded, results, ["hf", "none", "ngram"])
@@ -124,6 +138,8 @@ def test_bad_input(tmp_path, capsys):
         BenchConfig(proposers=("speculate",))
     with pytest.raises(ValueError, match="unknown baseline"):
         BenchConfig(baselines=("vllm",))
+    with pytest.raises(ValueError, match="a node count from 1 to 31"):
+        BenchConfig(budget="64")
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         BenchConfig(linear_backend="fast")
     assert main(["bench", "--proposer", "magic"]) == 2

@@ -53,6 +53,9 @@ def test_cost_model_interpolates_and_measures():
     )  # the last slope, extended
     measured = CostModel.measure(Target(build("llama")), batch_size=2, context=16, sizes=(1, 4, 8), repeats=1)
     assert measured.sizes == [1, 4, 8] and all(t > 0 for t in measured.seconds)
+    assert measured.seconds == sorted(measured.seconds)
+    # a size disturbed upwards (8 tokens dearer than 16) takes the larger size's time
+    assert CostModel.monotone([48.0, 65.0, 132.0, 93.0, 123.0]) == [48.0, 65.0, 93.0, 93.0, 123.0]
     with pytest.raises(ValueError):
         CostModel([1], [1.0])
 

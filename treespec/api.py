@@ -29,6 +29,7 @@ class GenerationStats:
     verify_s: float  #   verifying (or sampling, without a proposer)
     commit_s: float  #   KV cache compaction
     accepted_lengths: list[list[int]]  # per request (input order): tokens committed per decoding step
+    drafted_nodes: int = 0  # tree nodes proposed beyond the roots, all requests together
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,6 +46,7 @@ class GenerationStats:
         return cls(
             len(ids), stats.prompt_tokens, stats.new_tokens, stats.steps, total_s, stats.propose_s,
             stats.forward_s, stats.verify_s, stats.commit_s, [stats.accepted_lengths.get(i, []) for i in ids],
+            stats.drafted_nodes,
         )  # fmt: skip
 
 

@@ -55,7 +55,7 @@ class BenchConfig:
     seed: int = 0
     warmup: int = 1
     device: str = "cpu"
-    budget: str = "adaptive"  # or "fixed": the proposers' own sizes (31 drafted nodes)
+    budget: str = "adaptive"  # "fixed": the proposers' own sizes (31 drafted nodes); "N": N nodes every step
     linear_backend: str = "auto"  # treespec's target (treespec.linear); the HF baselines run natively
     heads: tuple[tuple[str, str], ...] = ()  # (kind, folder or registered name): overrides the shipped heads
     json: str | None = None
@@ -75,8 +75,12 @@ class BenchConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
-        if self.budget not in ("adaptive", "fixed"):
-            raise ValueError(f"budget must be 'adaptive' or 'fixed', got {self.budget!r}")
+        if self.budget not in ("adaptive", "fixed") and not (
+            self.budget.isdigit() and 1 <= int(self.budget) <= 31
+        ):
+            raise ValueError(
+                f"budget must be 'adaptive', 'fixed' or a node count from 1 to 31, got {self.budget!r}"
+            )
         for name in ("max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -167,6 +171,9 @@ class Components:
     def _adaptive(self, proposer):
         if self.config.budget == "fixed":
             return proposer
+        if self.config.budget.isdigit():  # a fixed budget smaller than the proposer's own
+            proposer.set_budget(int(self.config.budget), depth=6)
+            return proposer
         from treespec.budget import AdaptiveProposer
 
         return AdaptiveProposer(proposer, self.budget_chooser())
@@ -187,6 +194,7 @@ def run_method(components: Components, method: str, prompts: list[list[int]], ge
         s = out.stats
         lengths = [n for per in s.accepted_lengths for n in per]
         return {"tokens": out.sequences, "seconds": seconds, "steps": s.steps, "accepted_lengths": lengths,
+                "drafted_nodes": s.drafted_nodes,
                 "stages_s": {"propose": s.propose_s, "score": s.forward_s, "verify": s.verify_s,
                              "commit": s.commit_s}}  # fmt: skip
     model, tokenizer = components.hf_model, components.tokenizer
@@ -256,10 +264,7 @@ def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
         components.proposer(method)  # fail early on a missing head; measures the cost curve once
     order = [*baselines, *config.methods]
     encoded = encode_prompts(components.tokenizer, [text for _, text in pairs])
-    batches = [
-        list(range(i, min(i + config.batch_size, len(pairs))))
-        for i in range(0, len(pairs), config.batch_size)
-    ]
+    batches = category_batches([c for c, _ in pairs], config.batch_size)
     for _ in range(config.warmup):
         for method in order:
             run_method(components, method, [encoded[0][:64]], config.seed)
@@ -276,6 +281,7 @@ def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
     bar.close()
     report = summarise(config, components, pairs, encoded, results, order)
     report["skipped_baselines"] = skipped
+    report["batch_sizes_run"] = dict(sorted(Counter(len(b) for b in batches).items()))  # size -> batches
     report["machine"] = {"platform": platform.platform(), "torch": torch.__version__,
                          "threads": torch.get_num_threads(), "device": config.device}  # fmt: skip
     if components.cost_model is not None:
@@ -292,6 +298,20 @@ def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
         plot(report, config.plot)
         log(f"wrote {config.plot}")
     return report
+
+
+def category_batches(categories: list[str], batch_size: int) -> list[list[int]]:
+    """Prompt indices in batches of at most ``batch_size``, each within one category (in order
+    of first appearance), so that every category's speed is measured at the batch size run; a
+    category with fewer prompts than the batch size runs a smaller batch."""
+    by_category: dict[str, list[int]] = defaultdict(list)
+    for i, category in enumerate(categories):
+        by_category[category].append(i)
+    return [
+        members[i : i + batch_size]
+        for members in by_category.values()
+        for i in range(0, len(members), batch_size)
+    ]
 
 
 def summarise(config, components, pairs, encoded, results, order) -> dict:
@@ -328,6 +348,8 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
             entry["stage_ms"] = {k: 1e3 * v / max(steps, 1) for k, v in stages.items()}
             entry["steps"] = steps  # target forwards, prefill included
             entry["decode_steps"] = len(lengths)
+            # per request and decoding step: the tree size the budget settled on
+            entry["mean_drafted_nodes"] = sum(r["drafted_nodes"] for r in runs) / max(len(lengths), 1)
         if config.temperature == 0:
             identical, mismatches = 0, []
             for r in runs:
@@ -356,16 +378,17 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
 
 
 def format_report(report: dict) -> str:
-    lines = [f"{'method':<12} {'tok/s':>7} {'vs hf':>6} {'tau':>5} {'same':>5}  stage ms/step "
+    lines = [f"{'method':<12} {'tok/s':>7} {'vs hf':>6} {'tau':>5} {'nodes':>5} {'same':>5}  stage ms/step "
              "(propose score verify commit other)  accepted lengths"]  # fmt: skip
     for m in report["methods"]:
         same = "-" if m.get("identical_to_reference") is None else f"{m['identical_to_reference']:.2f}"
         tau = f"{m['mean_accepted_tokens']:.2f}" if "mean_accepted_tokens" in m else "-"
+        nodes = f"{m['mean_drafted_nodes']:.1f}" if "mean_drafted_nodes" in m else "-"
         speed = f"{m['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in m else "-"
         stages = " ".join(f"{v:6.1f}" for v in m["stage_ms"].values()) if "stage_ms" in m else ""
         hist = " ".join(f"{k}:{v}" for k, v in m.get("accepted_length_histogram", {}).items())
         lines.append(
-            f"{m['name']:<12} {m['tokens_per_s']:7.1f} {speed:>6} {tau:>5} {same:>5}  {stages}  {hist}"
+            f"{m['name']:<12} {m['tokens_per_s']:7.1f} {speed:>6} {tau:>5} {nodes:>5} {same:>5}  {stages}  {hist}"
         )
         for mismatch in m.get("mismatches", []):
             lines.append(f"    prompt {mismatch['prompt']}: first differs at token {mismatch['position']} "

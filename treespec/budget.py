@@ -90,7 +90,17 @@ class CostModel:
                 target.forward(tokens, cache, cu, slots, return_hidden=False)
                 runs.append(time.perf_counter() - start)
             times.append(statistics.median(runs[1:]))  # the first run warms up
-        return cls(list(sizes), times)
+        return cls(list(sizes), cls.monotone(times))
+
+    @staticmethod
+    def monotone(seconds: list[float]) -> list[float]:
+        """A step could always be padded to a larger size, so n tokens cost at most what more
+        tokens cost: a size measured dearer than a larger one was disturbed (a shared machine),
+        and takes the larger one's time."""
+        out = list(seconds)
+        for i in range(len(out) - 2, -1, -1):
+            out[i] = min(out[i], out[i + 1])
+        return out
 
 
 @dataclass

@@ -127,8 +127,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--batch-size", type=int, default=1)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--warmup", type=int, default=1, help="warm-up runs of every method (short)")
-    bench.add_argument("--budget", choices=["adaptive", "fixed"], default="adaptive",
-                       help="tree size per step: chosen from measured costs and acceptance, or fixed (31 nodes)")  # fmt: skip
+    bench.add_argument("--budget", default="adaptive", metavar="adaptive|fixed|N",
+                       help="tree size per step: chosen from measured costs and acceptance (adaptive), the "
+                       "proposers' own 31 nodes (fixed), or N drafted nodes every step (1 to 31)")  # fmt: skip
     bench.add_argument("--linear-backend", default="auto", choices=["auto", "native", "fp32-kmajor"],
                        help="treespec's linear layers: auto = fp32-kmajor on a CPU (cheap multi-token steps)")  # fmt: skip
     bench.add_argument("--json", default="bench_results/bench.json", help="report path")

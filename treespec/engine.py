@@ -71,6 +71,7 @@ class EngineStats:
     verify_s: float = 0.0  # verification (or plain sampling without a proposer)
     commit_s: float = 0.0  # KV cache compaction of the accepted paths
     step_s: float = 0.0  # time inside step(), all stages and bookkeeping
+    drafted_nodes: int = 0  # tree nodes proposed beyond the roots, over all decoding steps and requests
     # Per request id: tokens committed at each decoding step (accepted drafted tokens + the bonus).
     accepted_lengths: dict[int, list[int]] = field(default_factory=dict)
 
@@ -263,6 +264,7 @@ class Engine:
         ]
         tree = self.proposer.propose(asks)
         check_proposal(tree, asks, self.target.vocab_size, self.max_tree_nodes)
+        self.stats.drafted_nodes += tree.num_nodes - len(decoding)
         return tree
 
     def _build_step(self, trees: TokenTree | None) -> StepBatch:

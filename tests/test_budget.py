@@ -86,3 +86,18 @@ def test_a_pessimistic_budget_still_probes_and_learns():
     probes = [i for i, n in enumerate(proposer.chosen) if n]
     assert probes[:3] == [3, 11, 27]  # waits of 4, then 8, then 16 idle steps (a random head never pays)
     assert proposer.stats.trials[0] >= 1
+
+
+def test_set_budget_never_drafts_deeper_than_its_nodes():
+    """Every level costs a pass of the head: a budget of n nodes stops at depth n."""
+    from treespec.proposers import DraftModelProposer
+
+    model = build("llama")
+    eagle = EagleProposer(random_head(model), model, depth=6, top_k=4, total_tokens=31)
+    eagle.set_budget(2, depth=6)
+    assert (eagle.total_tokens, eagle.depth) == (2, 2)
+    eagle.set_budget(31, depth=1)  # deepened until the nodes fit: 4 + 4 * 16 >= 31
+    assert (eagle.total_tokens, eagle.depth) == (31, 3)
+    draft = DraftModelProposer(build("llama", seed=1), target_model=model, dynamic=(4, 6, 31))
+    draft.set_budget(3, depth=6)
+    assert draft.dynamic == (4, 3, 3)

@@ -47,6 +47,12 @@ def test_copy_follows_in_place_and_replaced_weights():
         layer.weight.mul_(2)
     with torch.inference_mode(), linear.active():
         torch.testing.assert_close(layer(x), 2 * before)
+    layer.bias = nn.Parameter(torch.zeros(40))
+    with torch.no_grad():
+        layer.bias.add_(1)
+    with torch.inference_mode(), linear.active():
+        torch.testing.assert_close(layer(x), 2 * before + 1)
+    layer.bias = None
     layer.weight = nn.Parameter(torch.zeros(40, 48))
     with torch.inference_mode(), linear.active():
         assert torch.count_nonzero(layer(x)) == 0

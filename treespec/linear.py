@@ -34,7 +34,8 @@ _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("treespec_linear_
 
 
 def resolve_linear_backend(name: str, device: torch.device | str) -> str:
-    """ "auto" is "fp32-kmajor" on a CPU and "native" elsewhere (GPU kernels need no help)."""
+    """The backend a name stands for: "auto" is "fp32-kmajor" on a CPU and "native" elsewhere
+    (GPU kernels need no help)."""
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {name!r}")
     if name == "auto":
@@ -54,25 +55,31 @@ def active() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def _identity(tensor: torch.Tensor | None) -> tuple[int, int, int] | None:
+    """What changes when a tensor is replaced or updated in place: (id, data_ptr, version)."""
+    if tensor is None:
+        return None
+    try:
+        version = tensor._version
+    except RuntimeError:  # an inference tensor has no version counter (nor in-place updates outside one)
+        version = -1
+    return id(tensor), tensor.data_ptr(), version
+
+
 class _KMajorForward:
     """Replaces one layer's ``forward``: the copy inside :func:`active`, the original outside."""
 
     def __init__(self, layer: nn.Linear) -> None:
         self.layer = layer
-        self.source: tuple[int, int, int] | None = None  # (id, data_ptr, version) of the copied weight
+        self.source: tuple | None = None  # identities of the weight and bias copied
         self.weight_t: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
 
     def _refresh(self) -> None:
-        weight = self.layer.weight
-        try:
-            version = weight._version
-        except RuntimeError:  # an inference tensor has no version counter (nor in-place updates outside one)
-            version = -1
-        source = (id(weight), weight.data_ptr(), version)
+        weight, bias = self.layer.weight, self.layer.bias
+        source = (_identity(weight), _identity(bias))
         if source != self.source:
             self.weight_t = weight.detach().float().t().contiguous()
-            bias = self.layer.bias
             self.bias = None if bias is None else bias.detach().float()
             self.source = source
 

@@ -73,13 +73,13 @@ class DraftModelProposer:
         self._slot: dict[int, int] = {}  # request id -> draft cache slot
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
-        """Dynamic trees only: at most ``num_nodes`` nodes, ``depth`` deep, from the next step on
-        (clamped to the sizes given at construction)."""
+        """Dynamic trees only: at most ``num_nodes`` nodes, ``depth`` deep (never deeper than
+        ``num_nodes``), from the next step on (clamped to the sizes given at construction)."""
         if self._max_dynamic is None:
             raise ValueError("set_budget needs a dynamic tree (DraftModelProposer(dynamic=...))")
         top_k, max_depth, max_nodes = self._max_dynamic
-        depth = max(1, min(depth, max_depth))
         nodes = max(1, min(num_nodes, max_nodes))
+        depth = max(1, min(depth, max_depth, nodes))  # n nodes reach depth n at most: no idle levels
         while depth < max_depth and top_k + (depth - 1) * top_k * top_k < nodes:
             depth += 1
         self.dynamic = (top_k, depth, min(nodes, top_k + (depth - 1) * top_k * top_k))

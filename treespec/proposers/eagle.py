@@ -99,11 +99,12 @@ class EagleProposer:
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
         """Draft at most ``num_nodes`` nodes, ``depth`` deep, from the next step on (clamped to
-        the sizes given at construction; deepened when ``depth`` cannot hold ``num_nodes``)."""
+        the sizes given at construction and to ``num_nodes``, since every level drafted costs a
+        pass of the head; deepened when ``depth`` cannot hold ``num_nodes``)."""
         max_depth, max_nodes = self._max
         k = self.top_k
         self.total_tokens = max(1, min(num_nodes, max_nodes))
-        depth = max(1, min(depth, max_depth))
+        depth = max(1, min(depth, max_depth, self.total_tokens))  # n nodes reach depth n at most
         while depth < max_depth and k + (depth - 1) * k * k < self.total_tokens:
             depth += 1
         self.depth = depth

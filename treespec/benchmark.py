@@ -172,7 +172,8 @@ class Components:
         if self.config.budget == "fixed":
             return proposer
         if self.config.budget.isdigit():  # a fixed budget smaller than the proposer's own
-            proposer.set_budget(int(self.config.budget), depth=6)
+            nodes = int(self.config.budget)
+            proposer.set_budget(nodes, depth=nodes)  # as deep as the nodes allow, within the proposer's depth
             return proposer
         from treespec.budget import AdaptiveProposer
 

@@ -6,7 +6,8 @@ one call per row; in bf16 on CPUs without native bf16 instructions (no AVX512-BF
 slower still. The same product against an fp32 copy of the weight stored column-major
 (``x @ W^T`` with ``W^T`` contiguous) costs little more for 8 rows than for 1, which is what
 makes a tree cheap to verify. On the SmolLM2-135M target (bf16, 2 cores) a step of 8 new tokens
-costs 2.5-2.8x a single-token step natively and 1.7x this way; 64 tokens cost 7.5x and 3.8x (``docs/benchmark.md``).
+costs 2.5-2.8x a single-token step natively and 1.7x this way; 64 tokens cost 7.5x and 3.8x
+(``docs/architecture.md``).
 
 The ``"fp32-kmajor"`` backend keeps such a copy for every ``nn.Linear`` of a model (4 bytes per
 weight, made on first use and remade if the weight is changed in place or replaced) and uses it
@@ -110,10 +111,3 @@ def install(model: nn.Module) -> int:
                 module.forward = _KMajorForward(module)
             count += 1
     return count
-
-
-def uninstall(model: nn.Module) -> None:
-    """Undo :func:`install`, dropping the copies."""
-    for module in model.modules():
-        if isinstance(module.__dict__.get("forward"), _KMajorForward):
-            del module.forward

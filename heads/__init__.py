@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from treespec.heads import eagle
+from treespec.heads.draft import load_draft
 from treespec.heads.eagle import EagleConfig, EagleHead
 from treespec.heads.layouts import (
     export_published_eagle,
@@ -107,8 +108,6 @@ def load(
     if head_type == "draft":
         if target_model is None:
             raise ValueError(f"{folder} holds a draft model: pass target_model (it shares its tables)")
-        from treespec.heads.draft import load_draft
-
         return load_draft(folder, target_model)
     raise ValueError(
         f"{folder}: unknown head layout {head_type!r} (known: treespec 'medusa' and 'eagle'; published "

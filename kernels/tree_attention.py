@@ -1,11 +1,12 @@
-"""Tree-masked multi-query attention over a slotted KV cache: a Triton kernel and its PyTorch twin.
+"""Tree-masked multi-query attention over a slotted KV cache: a Triton kernel, its PyTorch twin
+and a plain reference.
 
 Every new token of every request in a step is one query row of a single flattened batch
 (vLLM's layout). A query sees its request's whole committed prefix in the cache plus those new
 tokens of its own request that the ancestor bitmask marks (itself and its ancestors in the token
 tree). A prefill chunk is the degenerate case: a chain, i.e. causal (``tree_mask=None``).
 
-Contract, shared by ``tree_attention_triton`` and ``tree_attention_ref``::
+Contract, shared by ``tree_attention_triton``, ``tree_attention_ref`` and ``tree_attention_naive``::
 
     tree_attention(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask=None, *,
                    sm_scale, window=None, softcap=None, q_positions=None) -> out
@@ -25,10 +26,14 @@ Contract, shared by ``tree_attention_triton`` and ``tree_attention_ref``::
 
 The file reads top to bottom: the Triton kernel (flash-attention online softmax, one program
 per block of query tokens x all query heads of one KV head, optionally one slice of the prefix
-for split-KV), its Python wrapper, the PyTorch reference, and ``tree_attention``, which picks
-one. The reference pads the ragged batch to [B, n_max] queries and [B, L_max] keys with a dense
-boolean mask and runs one scaled-dot-product attention; callers that run many layers per step
-build an :class:`AttentionPlan` once and call :func:`attend` per layer.
+for split-KV), its Python wrapper, the PyTorch reference, a plain reference, and
+``tree_attention``, which picks the kernel or the PyTorch reference. The PyTorch reference pads
+the ragged batch to [B, n_max] queries and [B, L_max] keys with a dense boolean mask and runs one
+scaled-dot-product attention, with fast paths; callers that run many layers per step build an
+:class:`AttentionPlan` once and call :func:`attend` per layer. The plain reference,
+``tree_attention_naive``, has no fast path: one query row at a time, it gathers the keys the
+contract lets the row see and takes a softmax. It is the specification the tests check the other
+two against, run in float64.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from treespec.tree import BITS_PER_WORD
 
 try:
     import triton
@@ -59,6 +66,7 @@ def interpreting() -> bool:
 # --------------------------------------------------------------------------------------------
 
 if triton is not None:
+    _WORD_BITS = tl.constexpr(BITS_PER_WORD)  # a jitted kernel reads globals only as constexpr
 
     @triton.jit
     def _online_softmax_step(s, visible, v, m_i, l_i, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
@@ -166,11 +174,11 @@ if triton is not None:
             s = _scores(q, k, sm_scale, softcap, HAS_SOFTCAP, UPCAST, PRECISION)
             if HAS_TREE:
                 word = tl.load(
-                    TreeMask + q_rows[:, None] * stride_mt + (j // 32)[None, :],
+                    TreeMask + q_rows[:, None] * stride_mt + (j // _WORD_BITS)[None, :],
                     mask=row_ok[:, None] & j_ok[None, :],
                     other=0,
                 )
-                visible = ((word >> (j % 32)[None, :]) & 1) != 0
+                visible = ((word >> (j % _WORD_BITS)[None, :]) & 1) != 0
             else:
                 visible = j[None, :] <= token[:, None]
             visible = visible & j_ok[None, :]
@@ -353,8 +361,6 @@ def _combine_splits(out, schedule, partial_out, partial_m, partial_l, cu_q, grou
 # --------------------------------------------------------------------------------------------
 # PyTorch reference (the twin), also the path that runs without a GPU
 # --------------------------------------------------------------------------------------------
-
-BITS_PER_WORD = 32
 
 
 @dataclass(frozen=True)
@@ -560,6 +566,64 @@ def check_attention_inputs(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_m
         )
     if window is not None and (q_positions is None or q_positions.shape != (q.shape[0],)):
         raise ValueError("window needs q_positions of shape [T] (each new token's sequence position)")
+
+
+# --------------------------------------------------------------------------------------------
+# Plain reference: the contract spelled out, one query at a time (the specification in tests)
+# --------------------------------------------------------------------------------------------
+
+
+def tree_attention_naive(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+    *,
+    sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    q_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Tree attention as the module contract states it, with no fast path: for each query row,
+    gather the keys it may see and take a softmax over them. Slow (a Python loop over rows); it
+    computes in the inputs' dtype, so tests hand it float64 copies and use it as the oracle
+    that ``tree_attention_ref`` and the Triton kernel are checked against.
+
+    Shape:
+        q [T, Hq, D]; k_cache, v_cache [S, Hkv, L, D]; cu_q [B+1]; slots [B]; prefix_lens [B];
+        tree_mask [T, W] or None; q_positions [T] or None -> out [T, Hq, D]
+    """
+    check_attention_inputs(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions)
+    group = q.shape[1] // k_cache.shape[1]
+    cu, words = cu_q.tolist(), None if tree_mask is None else tree_mask.tolist()
+    positions = None if q_positions is None else q_positions.tolist()
+    out = torch.empty_like(q)
+    for b, (slot, prefix) in enumerate(zip(slots.tolist(), prefix_lens.tolist(), strict=True)):
+        start, num_new = cu[b], cu[b + 1] - cu[b]
+        for i in range(num_new):
+            t = start + i
+            # New token j sits at cache position prefix + j. Row t sees it if bit j of its mask
+            # words is set (an ancestor, or itself), or, in a causal chain, if j <= i.
+            new = [j for j in range(num_new) if (j <= i if words is None else _bit(words[t], j))]
+            keys = list(range(prefix)) + [prefix + j for j in new]
+            if window is not None:  # committed key p sits at position p; new key j at its q_position
+                key_positions = list(range(prefix)) + [positions[start + j] for j in new]
+                keys = [k for k, p in zip(keys, key_positions, strict=True) if positions[t] - p < window]
+            k = k_cache[slot, :, keys].repeat_interleave(group, 0)  # [Hq, n, D]
+            v = v_cache[slot, :, keys].repeat_interleave(group, 0)
+            scores = torch.einsum("hd,hnd->hn", q[t], k) * sm_scale  # [Hq, n]
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            out[t] = torch.einsum("hn,hnd->hd", scores.softmax(-1), v)
+    return out
+
+
+def _bit(words: list[int], j: int) -> bool:
+    """Bit j of a row of int32 mask words (Python's >> on a negative int keeps bit 31 right)."""
+    return bool(words[j // BITS_PER_WORD] >> (j % BITS_PER_WORD) & 1)
 
 
 # --------------------------------------------------------------------------------------------

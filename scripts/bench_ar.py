@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from treespec.bench import BenchConfig, run
+from treespec.bench_ar import ARBenchConfig, run_ar_bench
 
 
 def main() -> None:
@@ -20,10 +20,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="bench_results/ar.json")
     args = parser.parse_args()
-    config = BenchConfig(model=args.model, dtypes=tuple(args.dtypes.split(",")),
+    config = ARBenchConfig(model=args.model, dtypes=tuple(args.dtypes.split(",")),
                          batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
                          max_new_tokens=args.max_new_tokens, repeats=args.repeats)  # fmt: skip
-    run(config, out_path=args.out)
+    run_ar_bench(config, out_path=args.out)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ import torch
 
 import treespec
 from treespec import heads as heads_module
-from treespec.heads.prompts import DEV_PROMPTS
-from treespec.heads.train import TrainConfig, proposer_for
+from treespec.heads.training.prompts import DEV_PROMPTS
+from treespec.heads.training.train import TrainConfig, proposer_for
 from treespec.models import load
 from treespec.prompts import encode_prompts
 
@@ -54,7 +54,7 @@ def main() -> None:
         print(kind, json.dumps(results[kind]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "new_tokens": args.new,
-                                    "prompts": "heads.prompts.DEV_PROMPTS", "results": results}, indent=2))  # fmt: skip
+                                    "prompts": "treespec.heads.training.prompts.DEV_PROMPTS", "results": results}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":

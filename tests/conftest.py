@@ -10,6 +10,9 @@ import torch
 # kernel is decorated, i.e. before treespec.kernels is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every engine in the tests runs the full, host-side checks of each proposed tree and of
+# verification's inputs (Engine(debug=...)), which the decode loop skips by default.
+os.environ.setdefault("TREESPEC_DEBUG", "1")
 
 import pytest
 from transformers import (

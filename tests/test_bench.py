@@ -1,5 +1,6 @@
-"""``treespec bench``: end to end on a tiny model with its own tokenizer and heads, the identity
-check, bad input. (The autoregressive engine benchmark, scripts/bench_ar.py, runs slow.)"""
+"""``treespec bench`` (treespec.benchmark): end to end on a tiny model with its own tokenizer and
+heads, the identity check, bad input; and the autoregressive engine benchmark of
+scripts/bench_ar.py (treespec.bench_ar) on one small case."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from conftest import build
 from test_eagle import random_head
 
+from treespec.bench_ar import ARBenchConfig, run_ar_bench
 from treespec.benchmark import BenchConfig, Components, category_batches, summarise
 from treespec.cli import main
 from treespec.heads.draft import make_draft, save_draft
@@ -153,3 +155,16 @@ def test_bad_input(tmp_path, capsys):
     assert main(["bench", "--model", str(tmp_path / "model"), "--prompts", prompts, "--proposer", "eagle",
                  "--baselines", "hf", "--dtype", "fp32", "--json", str(tmp_path / "o.json")]) == 2  # fmt: skip
     assert "method 'eagle' needs a head of kind 'eagle'" in capsys.readouterr().err
+
+
+def test_ar_bench_runs_and_matches_hf_in_fp32(tmp_path):
+    tiny_model_folder(tmp_path)
+    config = ARBenchConfig(model=str(tmp_path / "model"), dtypes=("fp32",), batch_sizes=(2,), max_new_tokens=4,
+                           repeats=1, warmup=0)  # fmt: skip
+    report = run_ar_bench(config, out_path=tmp_path / "ar.json", log=lambda line: None)
+    (case,) = report["cases"]
+    assert set(case["tokens_per_s"]) == {"hf_generate", "hf_loop", "treespec"}
+    assert case["tokens_match_hf_generate"] and case["new_tokens"] == 8
+    assert json.loads((tmp_path / "ar.json").read_text())["config"]["batch_sizes"] == [2]
+    with pytest.raises(ValueError, match="dtypes must be among"):
+        ARBenchConfig(dtypes=("int8",))

@@ -14,7 +14,7 @@ from conftest import build, oracle_table
 import treespec
 from treespec import heads as heads_module
 from treespec.heads import EagleConfig, EagleHead
-from treespec.proposers import EagleProposer
+from treespec.proposers import EagleProposer, Proposer
 from treespec.tree import build_dynamic_tree
 
 PROMPTS = [list(range(5, 12)), [20, 21, 22], list(range(30, 60)), [7]]
@@ -71,8 +71,7 @@ def naive_tree(model, head: EagleHead, context: list[int], *, top_k, depth, num_
     with torch.no_grad():
         fused = head.fuse(target_features(model, head, context)[:-1])  # pairs (f_t, x_{t+1})
         root_out = run(context[1:], fused)[-1]
-        paths: dict[int, list[int]] = {}
-        previous_ids: list[int] = []
+        previous_paths: list[list[int]] = []  # the previous frontier's paths, by slot
 
         def node_output(path: list[int]) -> torch.Tensor:
             tokens, features, last = list(context[1:]), fused, root_out
@@ -81,18 +80,13 @@ def naive_tree(model, head: EagleHead, context: list[int], *, top_k, depth, num_
                 last = run(tokens, features)[-1]
             return last
 
-        def expand(step, frontier_tokens, frontier_ids):
-            nonlocal previous_ids
-            outs = []
-            for token, node in zip(frontier_tokens[0].tolist(), frontier_ids[0].tolist(), strict=True):
-                if step == 1:
-                    paths[node] = [token]
-                else:
-                    parent = previous_ids[(node - 1 - top_k - (step - 2) * top_k * top_k) // top_k]
-                    paths[node] = paths[parent] + [token]
-                outs.append(node_output(paths[node]))
-            previous_ids = frontier_ids[0].tolist()
-            return head.log_probs(torch.stack(outs), lm_head)[None]
+        def expand(step, frontier_tokens, parent_slots):
+            paths = [
+                (previous_paths[slot] if slot >= 0 else []) + [token]
+                for token, slot in zip(frontier_tokens[0].tolist(), parent_slots[0].tolist(), strict=True)
+            ]
+            previous_paths[:] = paths
+            return head.log_probs(torch.stack([node_output(p) for p in paths]), lm_head)[None]
 
         root_logprobs = head.log_probs(root_out[None], lm_head)
         return build_dynamic_tree(
@@ -107,14 +101,22 @@ def tree_lists(tree) -> list[tuple[list[int], list[int]]]:
     ]
 
 
-class Recorder:
+class Recorder(Proposer):
     """Wraps a proposer: keeps, per request, every context, tree and the head's cache rows then."""
 
     def __init__(self, proposer: EagleProposer):
         self.proposer, self.calls = proposer, {}
+        self.needs_hidden, self.hidden_layers = proposer.needs_hidden, proposer.hidden_layers
+        self.max_tree_nodes, self.max_batch_size = proposer.max_tree_nodes, proposer.max_batch_size
 
-    def __getattr__(self, name):
-        return getattr(self.proposer, name)
+    def observe(self, result):
+        self.proposer.observe(result)
+
+    def observe_prefill(self, request_id, tokens, hidden):
+        self.proposer.observe_prefill(request_id, tokens, hidden)
+
+    def release(self, request_id):
+        self.proposer.release(request_id)
 
     def propose(self, requests):
         tree = self.proposer.propose(requests)
@@ -443,9 +445,9 @@ def test_published_eagle_missing_tensors_and_unknown_layouts(tmp_path):
 def test_auto_proposer_uses_the_shipped_head_of_the_model(tmp_path, monkeypatch):
     """proposer="auto": the EAGLE head shipped for the model (recognised by its folder's name),
     adaptive budget; the n-gram trie for a model without heads. The output stays exact."""
+    from treespec.auto import auto_proposer
     from treespec.budget import AdaptiveProposer
     from treespec.proposers import NgramProposer
-    from treespec.proposers.auto import auto_proposer
 
     model, want = oracle_table(PROMPTS[:2], 8)("llama")
     assert isinstance(auto_proposer(model), NgramProposer)

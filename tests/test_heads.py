@@ -11,8 +11,10 @@ from conftest import build, oracle_table
 import treespec
 from treespec import heads as heads_module
 from treespec.heads import MedusaConfig, MedusaHeads
-from treespec.proposers import MedusaProposer
-from treespec.tree import full_tree
+from treespec.proposers import MedusaProposer, ProposalRequest, Proposer
+from treespec.proposers.base import RequestResult, StepResult
+from treespec.sampling import SamplingParams
+from treespec.tree import TokenTree, full_tree
 
 PROMPTS = [list(range(5, 12)), [20, 21, 22], list(range(30, 60)), [7]]
 NEW = 17
@@ -75,9 +77,10 @@ def test_hidden_state_handed_over_is_the_one_behind_the_root():
     seen = {}
     original = proposer.observe
 
-    def spy(request_id, committed, hidden=None):
-        seen[request_id] = (list(committed), hidden.clone())
-        original(request_id, committed, hidden)
+    def spy(result):
+        for r in result.requests:
+            seen[r.request_id] = (list(r.committed), r.hidden.clone())
+        original(result)
 
     proposer.observe = spy
     engine = treespec.Engine(treespec.Target(model), max_batch_size=1, max_len=64, proposer=proposer)
@@ -99,9 +102,7 @@ def test_dynamic_medusa_tree_ranks_paths_by_the_heads_probabilities():
     heads = random_heads(model)
     proposer = MedusaProposer(heads, model, dynamic=(3, 6))
     hidden = torch.randn(model.config.hidden_size)
-    proposer.observe(0, [5], hidden[None])
-    from treespec.proposers import ProposalRequest
-    from treespec.sampling import SamplingParams
+    proposer.observe(StepResult([RequestResult(0, [1], [-1], [0], [5], hidden[None])]))
 
     tree = proposer.propose([ProposalRequest(0, [1, 5], 1, SamplingParams(), 10)])
     assert tree.num_nodes == 7 and tree.tokens[0] == 5
@@ -212,29 +213,23 @@ def test_published_medusa_missing_tensor_is_named(tmp_path):
 # --------------------------------------------------------------------------- hidden states across chunks
 
 
-class PairRecorder:
+class PairRecorder(Proposer):
     """Records every (next token, hidden state) pair the engine hands over; proposes nothing."""
 
-    sampled_children = False
     needs_hidden = True
-    max_tree_nodes = 1
 
     def __init__(self):
         self.pairs: dict[int, list[tuple[int, torch.Tensor]]] = {}
 
     def propose(self, requests):
-        from treespec.tree import TokenTree
-
         return TokenTree.make_dummy([[r.tokens[-1]] for r in requests])
 
-    def observe(self, request_id, committed, hidden=None):
-        self.pairs.setdefault(request_id, []).extend(zip(committed, hidden, strict=True))
+    def observe(self, result):
+        for r in result.requests:
+            self.pairs.setdefault(r.request_id, []).extend(zip(r.committed, r.hidden, strict=True))
 
     def observe_prefill(self, request_id, tokens, hidden):
         self.pairs.setdefault(request_id, []).extend(zip(tokens, hidden, strict=True))
-
-    def release(self, request_id):
-        pass
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

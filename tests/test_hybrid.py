@@ -7,7 +7,8 @@ from conftest import build, oracle_table
 from test_eagle import random_head
 
 import treespec
-from treespec.proposers import EagleProposer, NgramProposer, ProposalRequest
+from treespec.proposers import DraftModelProposer, EagleProposer, NgramProposer, ProposalRequest, Proposer
+from treespec.proposers.base import RequestResult, StepResult
 from treespec.proposers.hybrid import HybridProposer
 from treespec.sampling import SamplingParams
 from treespec.tree import TokenTree
@@ -16,10 +17,8 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [20, 21, 22], list(range(30, 50)) * 2
 NEW = 16
 
 
-class Fixed:
+class Fixed(Proposer):
     """A proposer that returns given trees (for the merge logic)."""
-
-    sampled_children = False
 
     def __init__(self, tokens, parents):
         self.tokens, self.parents = tokens, parents
@@ -29,11 +28,8 @@ class Fixed:
     def propose(self, requests):
         return TokenTree.from_lists([self.tokens], [self.parents])
 
-    def observe(self, request_id, committed):
-        self.seen.append(committed)
-
-    def release(self, request_id):
-        pass
+    def observe(self, result):
+        self.seen += result.requests
 
 
 def test_merge_deduplicates_shared_prefixes():
@@ -44,8 +40,20 @@ def test_merge_deduplicates_shared_prefixes():
     tree = hybrid.propose([ProposalRequest(0, [9], 1, SamplingParams(), 10)])
     assert tree.tokens.tolist() == [9, 1, 2, 3, 4, 5]
     assert tree.parents.tolist() == [-1, 0, 1, 1, 2, 0]
-    hybrid.observe(0, [1, 2])
-    assert a.seen == b.seen == [[1, 2]]
+    # The target accepted 9 -> 1 -> 2 (merged nodes 0, 1, 2), then its bonus 7.
+    hybrid.observe(
+        StepResult([RequestResult(0, tree.tokens.tolist(), tree.parents.tolist(), [0, 1, 2], [1, 2, 7])])
+    )
+    (seen_a,), (seen_b,) = a.seen, b.seen
+    assert (seen_a.tree_tokens, seen_a.tree_parents) == (a.tokens, a.parents)  # each member's own tree
+    assert (seen_b.tree_tokens, seen_b.tree_parents) == (b.tokens, b.parents)
+    assert seen_a.accepted == [0, 1, 2] and seen_b.accepted == [0, 1, 2]  # in its own node indices
+    assert seen_a.committed == seen_b.committed == [1, 2, 7]
+    hybrid.propose([ProposalRequest(0, [9], 1, SamplingParams(), 10)])
+    hybrid.observe(
+        StepResult([RequestResult(0, tree.tokens.tolist(), tree.parents.tolist(), [0, 5], [5, 7])])
+    )
+    assert a.seen[-1].accepted == [0] and b.seen[-1].accepted == [0, 4]  # 9 -> 5 is b's node 4 only
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -66,8 +74,6 @@ def test_bad_hybrids():
     model = build("llama")
     with pytest.raises(ValueError, match="at least two"):
         HybridProposer(NgramProposer())
-    from treespec.proposers import DraftModelProposer
-
     with pytest.raises(ValueError, match="deterministic children"):
         HybridProposer(NgramProposer(), DraftModelProposer(model, sample=True))
     eagle3 = random_head(model, eagle3=True)

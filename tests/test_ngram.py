@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from treespec.proposers.base import ProposalRequest, Proposer
+from treespec.proposers.base import ProposalRequest, Proposer, RequestResult, StepResult
 from treespec.proposers.ngram import NgramProposer, build_trie, scan_match_ends
 from treespec.sampling import SamplingParams
 
@@ -39,6 +39,16 @@ def propose_one(
     tree.validate()
     assert tree.num_requests == 1 and tree.draft_probs is None
     return tree.tokens.tolist(), tree.parents.tolist()
+
+
+def observe(proposer, request_id: int, committed: list[int], tree=None, accepted: int = 0) -> None:
+    """Tell the proposer a step committed these tokens; ``tree`` (one request's TokenTree, or None
+    for the root alone) with its first ``accepted`` drafted nodes along the chain accepted."""
+    tokens, parents = (
+        ([committed[0]], [-1]) if tree is None else (tree.tokens.tolist(), tree.parents.tolist())
+    )
+    result = RequestResult(request_id, tokens, parents, list(range(accepted + 1)), committed)
+    proposer.observe(StepResult([result]))
 
 
 def chain(tokens: list[int]) -> tuple[list[int], list[int]]:
@@ -169,7 +179,7 @@ def test_observe_extends_the_index_like_a_fresh_build():
     proposer = NgramProposer(max_depth=2)
     proposer.propose([request(context, request_id=5)])
     committed = TRIE_CONTEXT[10:]
-    proposer.observe(5, committed)
+    observe(proposer, 5, committed)
     grown = proposer.propose([request(TRIE_CONTEXT, request_id=5)])
     assert grown.tokens.tolist() == TRIE_TOKENS and grown.parents.tolist() == TRIE_PARENTS
 
@@ -183,14 +193,14 @@ def test_propose_does_not_need_observe():
 def test_a_context_that_is_not_an_extension_rebuilds_the_index():
     proposer = NgramProposer(max_depth=2)
     proposer.propose([request(TRIE_CONTEXT, request_id=0)])
-    proposer.observe(0, [9, 9, 9])  # committed, then the engine cut the context differently
+    observe(proposer, 0, [9, 9, 9])  # committed, then the engine cut the context differently
     assert propose_one(proposer, CHAIN_CONTEXT) == chain([3, 4, 5])
     assert propose_one(proposer, TRIE_CONTEXT) == (TRIE_TOKENS, TRIE_PARENTS)
 
 
 def test_release_forgets_and_observe_ignores_unknown_ids():
     proposer = NgramProposer()
-    proposer.observe(1, [1, 2, 3])
+    observe(proposer, 1, [1, 2, 3])
     assert proposer.indexed_requests == []
     proposer.propose([request(CHAIN_CONTEXT, request_id=1), request(TRIE_CONTEXT, request_id=2)])
     assert proposer.indexed_requests == [1, 2]
@@ -214,7 +224,7 @@ def test_the_index_agrees_with_the_scan_on_random_contexts():
         proposer.propose([request(context[:start], request_id=trial)])
         while start < length:
             stop = rng.randint(start + 1, length)
-            proposer.observe(trial, context[start:stop])
+            observe(proposer, trial, context[start:stop])
             start = stop
         got = proposer.propose([request(context, max_new=max_new, request_id=trial)])
         assert got.num_nodes <= proposer.max_tree_nodes
@@ -303,8 +313,9 @@ def test_token_cost_zero_always_drafts_full_depth():
     proposer = NgramProposer(max_depth=4, tree=False)
     context = [1, 2, 3, 4, 5, 6, 7, 1, 2]
     for _ in range(3):
-        assert drafted_depth(proposer.propose([request(context)])) == 4
-        proposer.observe(0, [9])  # rejected at once: no effect without a token cost
+        tree = proposer.propose([request(context)])
+        assert drafted_depth(tree) == 4
+        observe(proposer, 0, [9], tree)  # rejected at once: no effect without a token cost
 
 
 def test_rejections_shrink_the_depth_to_nothing_then_it_probes_again():
@@ -314,7 +325,7 @@ def test_rejections_shrink_the_depth_to_nothing_then_it_probes_again():
     for _ in range(40):
         tree = proposer.propose([request(context)])
         depths.append(drafted_depth(tree))
-        proposer.observe(0, [99])  # only the bonus: every drafted token rejected
+        observe(proposer, 0, [99], tree)  # only the bonus: every drafted token rejected
     assert depths[0] >= 1  # the prior (1/2) is worth a probe at this cost
     assert 0 in depths  # after rejections, drafting stops
     assert depths.index(0) < 5
@@ -327,8 +338,9 @@ def test_acceptances_grow_the_depth():
     context = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
     first = drafted_depth(proposer.propose([request(context)]))
     for _ in range(10):
-        depth = drafted_depth(proposer.propose([request(context)]))
-        proposer.observe(0, list(range(depth + 1)))  # everything accepted, plus the bonus
+        tree = proposer.propose([request(context)])
+        depth = drafted_depth(tree)
+        observe(proposer, 0, list(range(depth + 1)), tree, accepted=depth)  # all accepted, plus the bonus
     assert drafted_depth(proposer.propose([request(context)])) > first
     with pytest.raises(ValueError, match="token_cost"):
         NgramProposer(token_cost=-1)

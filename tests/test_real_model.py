@@ -106,7 +106,7 @@ def test_smollm2_random_eagle_head_keeps_the_output_exact(smollm2, eagle3):
 def test_shipped_heads_load_and_fit_the_real_model(smollm2):
     """The heads shipped for SmolLM2 load by name, match its sizes, and keep its output exact."""
     from treespec import heads
-    from treespec.heads.train import TrainConfig, proposer_for
+    from treespec.heads.training.train import TrainConfig, proposer_for
 
     model, tokenizer = smollm2
     shipped = heads.shipped_for("smollm2-135m-instruct")

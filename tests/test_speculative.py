@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import treespec
 from treespec import Engine, SamplingParams, Target
-from treespec.proposers import DraftModelProposer, NgramProposer
+from treespec.proposers import DraftModelProposer, NgramProposer, Proposer
 from treespec.tree import TokenTree, chain, full_tree
 
 # Repetitive prompts so that the n-gram proposer finds something to copy.
@@ -213,10 +213,9 @@ def test_memory_stays_flat_over_1000_decode_steps():
 # --------------------------------------------------------------------------- bad input
 
 
-class FixedProposer:
+class FixedProposer(Proposer):
     """Returns whatever tree it is given, to test the engine's checks."""
 
-    sampled_children = False
     max_tree_nodes = 8
 
     def __init__(self, make_tree):
@@ -224,12 +223,6 @@ class FixedProposer:
 
     def propose(self, requests):
         return self.make_tree(requests)
-
-    def observe(self, request_id, committed):
-        pass
-
-    def release(self, request_id):
-        pass
 
 
 def test_malformed_proposals_are_named(expected):

@@ -150,6 +150,7 @@ def test_attention_softcap_matches_hf_eager():
     torch.testing.assert_close(out.logits, expect, atol=1e-4, rtol=1e-4)
     for layer in model.model.layers:  # without the cap the logits differ: the test can tell
         layer.self_attn.attn_logit_softcapping = None
+    target = Target(model)  # a Target's view holds the module attributes it was built with
     cache.free(0)
     cache.allocate()
     uncapped = target.forward(torch.tensor(prompt), cache, torch.tensor([0, len(prompt)]), torch.tensor([0]))

@@ -11,10 +11,10 @@ from conftest import build, hf_greedy
 
 import treespec
 from treespec import heads as heads_module
-from treespec.heads import data as data_module
-from treespec.heads.data import HeadDataset, write_dataset
-from treespec.heads.prompts import DEV_PROMPTS, read_prompt_file, train_prompts
-from treespec.heads.train import LOSSES, TrainConfig, build_module, make_batches, train, trainable
+from treespec.heads.training import data as data_module
+from treespec.heads.training.data import HeadDataset, write_dataset
+from treespec.heads.training.prompts import DEV_PROMPTS, read_prompt_file, train_prompts
+from treespec.heads.training.train import LOSSES, TrainConfig, build_module, make_batches, train, trainable
 
 PROMPTS = [list(range(5, 12)), [20, 21, 22], list(range(30, 45)), [7, 8], [50, 51, 52, 53], [90, 3]]
 LAYERS = (0, 1, 1)
@@ -133,7 +133,7 @@ def test_trained_head_loads_and_proposes(tiny_data, tmp_path, kind):
 
         proposer = DraftModelProposer(load_draft(tmp_path / "head", model), target_model=model)
     else:
-        from treespec.heads.train import proposer_for
+        from treespec.heads.training.train import proposer_for
 
         proposer = proposer_for(config, heads_module.load(tmp_path / "head"), model)
     out = treespec.generate(model, PROMPTS[:2], max_new_tokens=10, proposer=proposer)
@@ -175,8 +175,8 @@ def test_train_prompts_are_disjoint_from_dev_and_benchmark_prompts():
 DDP_SCRIPT = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
-from treespec.heads.data import HeadDataset
-from treespec.heads.train import TrainConfig, train
+from treespec.heads.training.data import HeadDataset
+from treespec.heads.training.train import TrainConfig, train
 import torch.distributed as dist
 model_dir, data_dir, out_dir = sys.argv[1:4]
 model = AutoModelForCausalLM.from_pretrained(model_dir)

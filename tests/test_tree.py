@@ -305,19 +305,26 @@ ID_TABLE = torch.randn(64, VOCAB, generator=GEN, dtype=torch.float64)
 REQUEST_TABLE = torch.randn(3, VOCAB, generator=GEN, dtype=torch.float64)
 
 
-def fake_logprobs(request: int, token: int, node_id: int) -> torch.Tensor:
-    """A deterministic 'draft head': depends on the request, the token and the drafted-node id."""
-    return (TOKEN_TABLE[token] + ID_TABLE[node_id] + REQUEST_TABLE[request]).log_softmax(-1)
+def fake_logprobs(request: int, path: tuple[int, ...]) -> torch.Tensor:
+    """A deterministic 'draft head': depends on the request, the node's token and its whole path."""
+    key = sum((token + 1) * 13**i for i, token in enumerate(path)) % len(ID_TABLE)
+    return (TOKEN_TABLE[path[-1]] + ID_TABLE[key] + REQUEST_TABLE[request]).log_softmax(-1)
 
 
 def fake_expand(calls: list):
-    def expand(step, frontier_tokens, frontier_ids):
-        calls.append((step, frontier_tokens.tolist(), frontier_ids.tolist()))
-        rows = [
-            [fake_logprobs(b, t, i) for t, i in zip(toks, ids, strict=True)]
-            for b, (toks, ids) in enumerate(zip(frontier_tokens.tolist(), frontier_ids.tolist(), strict=True))
+    """Follows each frontier node's path through the parent slots the builder hands over."""
+    paths: list[list[tuple[int, ...]]] = []  # per request, the previous frontier's paths
+
+    def expand(step, frontier_tokens, parent_slots):
+        tokens, slots = frontier_tokens.tolist(), parent_slots.tolist()
+        paths[:] = [
+            [(paths[b][s] if s >= 0 else ()) + (t,) for t, s in zip(tokens[b], slots[b], strict=True)]
+            for b in range(len(tokens))
         ]
-        return torch.stack([torch.stack(r) for r in rows])  # [B, K, V]
+        calls.append((step, tokens, [list(p) for p in paths]))
+        return torch.stack(
+            [torch.stack([fake_logprobs(b, path) for path in row]) for b, row in enumerate(paths)]
+        )
 
     return expand
 
@@ -328,19 +335,21 @@ def top(values: list[float], k: int) -> list[int]:
 
 def reference_dynamic_tree(b, root, root_logprobs, top_k, depth, num_nodes, calls):
     """One request, plain Python: the algorithm of build_dynamic_tree's docstring."""
-    pool = [dict(token=root, score=0.0, parent=-1)]  # drafting order; index = drafted-node id
+    pool = [dict(token=root, score=0.0, parent=-1, path=())]  # drafting order
     lp = root_logprobs.tolist()
     for v in top(lp, top_k):
-        pool.append(dict(token=v, score=lp[v], parent=0))
+        pool.append(dict(token=v, score=lp[v], parent=0, path=(v,)))
     frontier = list(range(1, top_k + 1))
     for step in range(1, depth):
-        calls.append((step, [pool[f]["token"] for f in frontier], frontier))
+        calls.append((step, [pool[f]["token"] for f in frontier], [pool[f]["path"] for f in frontier]))
         children = []
         for f in frontier:
-            lp = fake_logprobs(b, pool[f]["token"], f).tolist()
+            lp = fake_logprobs(b, pool[f]["path"]).tolist()
             for v in top(lp, top_k):
                 children.append(len(pool))
-                pool.append(dict(token=v, score=pool[f]["score"] + lp[v], parent=f))
+                pool.append(
+                    dict(token=v, score=pool[f]["score"] + lp[v], parent=f, path=pool[f]["path"] + (v,))
+                )
         frontier = sorted(children, key=lambda i: (-pool[i]["score"], i))[:top_k]
     kept = sorted(sorted(range(len(pool)), key=lambda i: (-pool[i]["score"], i))[: num_nodes + 1])
     index = {node: i for i, node in enumerate(kept)}
@@ -352,7 +361,7 @@ def reference_dynamic_tree(b, root, root_logprobs, top_k, depth, num_nodes, call
 @pytest.mark.parametrize(("top_k", "depth", "num_nodes"), [(3, 4, 10), (2, 3, 10), (4, 1, 3), (3, 3, 1)])
 def test_dynamic_tree_matches_the_reference(top_k, depth, num_nodes):
     roots = torch.tensor([3, 7, 3])  # requests 0 and 2 share a root but not their draft
-    root_logprobs = torch.stack([fake_logprobs(b, int(roots[b]), 0) for b in range(3)])  # [B, V]
+    root_logprobs = torch.stack([fake_logprobs(b, (int(roots[b]),)) for b in range(3)])  # [B, V]
     calls: list = []
     tree, scores = build_dynamic_tree(
         roots,
@@ -372,11 +381,11 @@ def test_dynamic_tree_matches_the_reference(top_k, depth, num_nodes):
     ]
     assert_trees_equal(tree, TokenTree.from_lists([w[0] for w in want], [w[1] for w in want]))
     assert scores.tolist() == [s for w in want for s in w[2]]
-    # expand saw every request's frontier, batched: the ids the documented layout gives.
+    # expand saw every request's frontier, batched, and its parent slots led to the right paths.
     assert [c[0] for c in calls] == list(range(1, depth))
-    for step, (got_step, got_tokens, got_ids) in enumerate(calls):
+    for step, (got_step, got_tokens, got_paths) in enumerate(calls):
         for b in range(3):
-            assert (got_step, got_tokens[b], got_ids[b]) == want_calls[b][step]
+            assert (got_step, got_tokens[b], got_paths[b]) == want_calls[b][step]
 
 
 def test_dynamic_tree_keeps_parents_on_ties():
@@ -386,7 +395,7 @@ def test_dynamic_tree_keeps_parents_on_ties():
     one_hot = torch.full((vocab,), float("-inf"))
     one_hot[2] = 0.0  # the draft is certain: log-prob 0 for token 2
 
-    def expand(step, frontier_tokens, frontier_ids):
+    def expand(step, frontier_tokens, parent_slots):
         return one_hot.expand(*frontier_tokens.shape, vocab)
 
     tree = build_dynamic_tree(
@@ -404,7 +413,7 @@ def test_dynamic_tree_keeps_parents_on_ties():
 def test_dynamic_tree_checks_its_inputs():
     logprobs = torch.zeros(1, 5).log_softmax(-1)
 
-    def expand(step, frontier_tokens, frontier_ids):
+    def expand(step, frontier_tokens, parent_slots):
         return torch.zeros(*frontier_tokens.shape, 5).log_softmax(-1)
 
     with pytest.raises(ValueError, match="num_nodes"):

@@ -9,10 +9,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from treespec.auto import auto_proposer
 from treespec.engine import Engine, EngineStats
 from treespec.proposers.base import Proposer
 from treespec.sampling import SamplingParams
 from treespec.target import Target
+
+DEFAULT_MAX_BATCH = 64  # requests decoding at once when generate() is given more prompts
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ def generate(
     generator: torch.Generator | None = None,
     streamer=None,
     attention_mask: torch.Tensor | None = None,
+    max_batch_size: int | None = None,
 ) -> GenerationOutput:
     """Generate from the target for a batch of prompts of different lengths.
 
@@ -139,7 +143,9 @@ def generate(
     ``[]`` to never stop early. ``temperature=0`` is greedy. ``streamer`` follows HF's protocol
     (``put`` then ``end``) and needs a single prompt. ``proposer`` drafts token trees
     (``treespec.proposers``); None decodes autoregressively; ``"auto"`` uses the heads shipped for
-    this model (``treespec.proposers.auto``). The output is the target's either way.
+    this model (``treespec.auto``). The output is the target's either way.
+    ``max_batch_size`` requests decode at once (default: all prompts, at most
+    ``DEFAULT_MAX_BATCH``, and never more than the proposer holds); the others wait for a slot.
     """
     target = target if isinstance(target, Target) else Target(target)
     prompts = as_prompts(input_ids, attention_mask)
@@ -154,16 +160,17 @@ def generate(
         raise ValueError(
             f"prompt + max_new_tokens = {longest} tokens exceeds the model's context of {target.max_context}"
         )
+    if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
+        raise ValueError(f"max_batch_size must be an int >= 1 or None, got {max_batch_size!r}")
+    batch_size = min(len(prompts), max_batch_size or DEFAULT_MAX_BATCH)
     if isinstance(proposer, str):
         if proposer != "auto":
             raise ValueError(f'proposer must be a Proposer, None or "auto", got {proposer!r}')
-        from treespec.proposers.auto import auto_proposer
-
-        proposer = auto_proposer(target.model, batch_size=len(prompts), target=target)
+        proposer = auto_proposer(target.model, batch_size=batch_size, target=target)
     start = time.perf_counter()
     engine = Engine(
         target,
-        max_batch_size=len(prompts),
+        max_batch_size=batch_size,
         max_len=longest,
         prefill_chunk_size=prefill_chunk_size,
         generator=generator,

@@ -30,10 +30,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import treespec
+from treespec import heads
+from treespec.api import generate
+from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
 from treespec.linear import LINEAR_BACKENDS
 from treespec.models import load
 from treespec.prompts import BENCH_PROMPTS, encode_prompts, read_prompt_records
+from treespec.proposers import (
+    DraftModelProposer,
+    EagleProposer,
+    HybridProposer,
+    MedusaProposer,
+    NgramProposer,
+)
+from treespec.target import Target
 
 METHODS = ("none", "ngram", "draft", "medusa", "eagle", "hybrid")
 BASELINES = ("hf", "hf-pld", "hf-assisted")
@@ -98,23 +108,19 @@ class BenchConfig:
 
 
 class Components:
-    """The target copies, tokenizer and shipped heads a run needs, loaded once."""
+    """The target, tokenizer and shipped heads a run needs, loaded once."""
 
     def __init__(self, config: BenchConfig) -> None:
-        from treespec import heads
-
         dtype, device = DTYPES[config.dtype], config.device
         self.config = config
         self.hf_model, self.tokenizer = load(config.model, dtype=dtype, device=device)
-        self.model, _ = load(config.model, dtype=dtype, device=device)  # treespec's copy: HF keeps SDPA
-        self.target = treespec.Target(self.model, linear_backend=self.config.linear_backend)
+        self.model = self.hf_model  # one model: the Target runs a view of it and leaves it as it was
+        self.target = Target(self.model, linear_backend=self.config.linear_backend)
         self.shipped = {**heads.shipped_for(config.model), **dict(config.heads)}
         self._heads: dict[str, object] = {}
         self.cost_model = None
 
     def head(self, kind: str, *, for_what: str):
-        from treespec import heads
-
         key = (kind, for_what == "hf-assisted")  # HF's copy and treespec's each get their own
         if key not in self._heads:
             if kind not in self.shipped:
@@ -128,8 +134,6 @@ class Components:
         return self._heads[key]
 
     def budget_chooser(self):
-        from treespec.budget import BudgetChooser, CostModel
-
         if self.cost_model is None:
             self.cost_model = CostModel.measure(self.target, batch_size=self.config.batch_size,
                                                 sizes=(1, 2, 4, 8, 16, 32, 64), repeats=3)  # fmt: skip
@@ -137,32 +141,24 @@ class Components:
 
     def proposer(self, method: str):
         """A fresh proposer for one run of ``method`` (None for the autoregressive reference)."""
-        from treespec.proposers import (
-            DraftModelProposer,
-            EagleProposer,
-            HybridProposer,
-            MedusaProposer,
-            NgramProposer,
-        )
-
         batch = self.config.batch_size
         if method == "none":
             return None
         if method == "ngram":
             return NgramProposer(max_depth=8, max_nodes=32, token_cost=0.3)
+        linear = self.config.linear_backend  # heads read out with the target's linear backend
         if method == "eagle":
             inner = EagleProposer(self.head("eagle", for_what="method 'eagle'"), self.model, depth=6, top_k=8,
-                                  total_tokens=31, max_batch_size=batch)  # fmt: skip
+                                  total_tokens=31, max_batch_size=batch, linear_backend=linear)  # fmt: skip
         elif method == "medusa":
-            inner = MedusaProposer(
-                self.head("medusa", for_what="method 'medusa'"), self.model, dynamic=(8, 31)
-            )
+            inner = MedusaProposer(self.head("medusa", for_what="method 'medusa'"), self.model, dynamic=(8, 31),
+                                   linear_backend=linear)  # fmt: skip
         elif method == "draft":
             inner = DraftModelProposer(self.head("draft", for_what="method 'draft'"), target_model=self.model,
-                                       dynamic=(4, 6, 31), max_batch_size=batch)  # fmt: skip
+                                       dynamic=(4, 6, 31), max_batch_size=batch, linear_backend=linear)  # fmt: skip
         else:  # hybrid
             eagle = EagleProposer(self.head("eagle", for_what="method 'hybrid'"), self.model, depth=6, top_k=8,
-                                  total_tokens=24, max_batch_size=batch)  # fmt: skip
+                                  total_tokens=24, max_batch_size=batch, linear_backend=linear)  # fmt: skip
             return HybridProposer(
                 self._adaptive(eagle), NgramProposer(max_depth=8, max_nodes=8, token_cost=0.3)
             )
@@ -175,8 +171,6 @@ class Components:
             nodes = int(self.config.budget)
             proposer.set_budget(nodes, depth=nodes)  # as deep as the nodes allow, within the proposer's depth
             return proposer
-        from treespec.budget import AdaptiveProposer
-
         return AdaptiveProposer(proposer, self.budget_chooser())
 
 
@@ -186,10 +180,10 @@ def run_method(components: Components, method: str, prompts: list[list[int]], ge
     new = config.max_new_tokens
     sampling = config.temperature > 0
     if method in METHODS:
-        generator = torch.Generator().manual_seed(generator_seed)
+        generator = torch.Generator(device=components.target.device).manual_seed(generator_seed)
         proposer = components.proposer(method)
         start = time.perf_counter()
-        out = treespec.generate(components.target, prompts, proposer=proposer, max_new_tokens=new, eos_token_id=[],
+        out = generate(components.target, prompts, proposer=proposer, max_new_tokens=new, eos_token_id=[],
                                 temperature=config.temperature, generator=generator)  # fmt: skip
         seconds = time.perf_counter() - start
         s = out.stats

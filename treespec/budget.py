@@ -9,19 +9,20 @@ price of one more token depends on the hardware and on the batch. Three parts:
   the steps the engine verifies (rank r at depth d: accepted given its parent was).
 - :class:`BudgetChooser`: for B requests, picks n drafted nodes per request maximising
   ``(1 + E[accepted | best tree of n]) / (forward(B * (n + 1)) + propose(n))``. E is the sum of
-  the n largest path probabilities (``tree.best_tree``'s greedy order), so one greedy pass
-  scores every n at once. The depth is that tree's depth.
+  the n largest path probabilities (``tree.best_paths``, the order ``tree.best_tree`` takes),
+  so one pass scores every n at once. The depth is that tree's depth.
 
-:class:`AdaptiveProposer` wraps a proposer that has a settable budget (``set_budget(num_nodes,
-depth)``: EAGLE, Medusa and draft models with dynamic trees, n-gram tries), feeds the stats from
-what each step accepted, and asks the chooser before every proposal. A fixed budget is the
+:class:`AdaptiveProposer` wraps a proposer that has a settable budget (``has_budget``, with
+``set_budget(num_nodes, depth)``: EAGLE, Medusa and draft models with dynamic trees), feeds the
+stats from the accepted node indices of each step's result, and asks the chooser before every
+proposal. A fixed budget is the
 wrapped proposer on its own.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -29,8 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treespec.proposers.base import ProposalRequest, Proposer
-from treespec.tree import TokenTree
+from treespec.proposers.base import ProposalRequest, Proposer, StepResult
+from treespec.target import Target
+from treespec.tree import TokenTree, best_paths
 
 
 @dataclass
@@ -61,7 +63,7 @@ class CostModel:
     @torch.inference_mode()
     def measure(
         cls,
-        target,
+        target: Target,
         *,
         batch_size: int = 1,
         context: int = 256,
@@ -88,6 +90,8 @@ class CostModel:
             for _ in range(repeats + 1):
                 start = time.perf_counter()
                 target.forward(tokens, cache, cu, slots, return_hidden=False)
+                if target.device.type == "cuda":
+                    torch.cuda.synchronize(target.device)  # the forward returns before the GPU is done
                 runs.append(time.perf_counter() - start)
             times.append(statistics.median(runs[1:]))  # the first run warms up
         return cls(list(sizes), cls.monotone(times))
@@ -111,8 +115,8 @@ class AcceptanceStats:
     max_rank: int = 8
     prior: float = 0.5  # rate assumed at depth 1, rank 0, before any evidence
     prior_weight: float = 4.0
-    trials: list[float] = field(default_factory=list)
-    accepted: list[list[float]] = field(default_factory=list)
+    trials: list[float] = field(init=False)  # [depth] steps whose walk reached a node with children there
+    accepted: list[list[float]] = field(init=False)  # [depth][rank] children accepted at that rank
 
     def __post_init__(self) -> None:
         self.trials = [0.0] * self.max_depth
@@ -155,17 +159,14 @@ class BudgetChooser:
     max_nodes: int = 63
 
     def expected_tokens(self, rates: list[list[float]], max_nodes: int) -> tuple[list[float], list[int]]:
-        """For n = 0 .. max_nodes: tokens per step of the best tree of n nodes, and its depth."""
-        frontier = [(-rate, 1, r) for r, rate in enumerate(rates[0])]
-        heapq.heapify(frontier)
+        """For n = 0 .. max_nodes: tokens per step of the best tree of n nodes, and its depth.
+
+        The best tree of n nodes is the first n of :func:`treespec.tree.best_paths` (the order
+        ``best_tree`` takes), so one pass scores every n at once."""
         totals, depths = [1.0], [0]
-        while len(totals) <= max_nodes and frontier:
-            neg, depth, _ = heapq.heappop(frontier)
-            totals.append(totals[-1] - neg)
-            depths.append(max(depths[-1], depth))
-            if depth < len(rates):
-                for r, rate in enumerate(rates[depth]):
-                    heapq.heappush(frontier, (neg * rate, depth + 1, r))
+        for prob, path in itertools.islice(best_paths(rates), max_nodes):
+            totals.append(totals[-1] + prob)
+            depths.append(max(depths[-1], len(path)))
         return totals, depths
 
     def choose(
@@ -185,7 +186,7 @@ class BudgetChooser:
         return best
 
 
-class AdaptiveProposer:
+class AdaptiveProposer(Proposer):
     """A proposer whose tree size is chosen every step by a :class:`BudgetChooser`."""
 
     def __init__(
@@ -199,24 +200,24 @@ class AdaptiveProposer:
         after this many idle steps, so the acceptance estimates keep learning (else a
         pessimistic start would never be corrected). Each probe that leaves the choice at "no
         tree" doubles the wait, up to 8x; a tree chosen on its merits resets it."""
-        if not hasattr(proposer, "set_budget"):
+        if not isinstance(proposer, Proposer) or not proposer.has_budget:
             raise TypeError(
-                f"{type(proposer).__name__} has no set_budget(num_nodes, depth): its budget is fixed"
+                f"{type(proposer).__name__} has no settable budget (has_budget is False, no set_budget): its tree size is fixed"
             )
         self.proposer = proposer
         self.chooser = chooser
         self.stats = stats or AcceptanceStats()
+        # What the wrapped proposer declares, it declares.
         self.sampled_children = proposer.sampled_children
         self.max_tree_nodes = proposer.max_tree_nodes
-        self.needs_hidden = getattr(proposer, "needs_hidden", False)
-        self.hidden_layers = getattr(proposer, "hidden_layers", ())
-        if hasattr(proposer, "vocab_size"):
-            self.vocab_size = proposer.vocab_size
+        self.max_batch_size = proposer.max_batch_size
+        self.vocab_size = proposer.vocab_size
+        self.needs_hidden = proposer.needs_hidden
+        self.hidden_layers = proposer.hidden_layers
         self.probe_every = probe_every
         self._idle = 0  # steps since the last tree
         self._wait = probe_every  # idle steps before the next probe
         self.chosen: list[int] = []  # nodes per request, per step
-        self._trees: dict[int, tuple[list[int], list[int]]] = {}
         self._propose_times: list[tuple[int, float]] = []  # (nodes, seconds) of recent proposals
         if chooser.propose_cost is None:
             chooser.propose_cost = self._propose_cost
@@ -247,40 +248,20 @@ class AdaptiveProposer:
             self._idle, self._wait = 0, min(2 * self._wait, 8 * self.probe_every)
         self.chosen.append(nodes)
         if nodes == 0:
-            tree = TokenTree.from_lists([[r.tokens[-1]] for r in requests])
-        else:
-            self.proposer.set_budget(nodes, max(depth, 1))
-            start = time.perf_counter()
-            tree = self.proposer.propose(requests)
-            self._propose_times.append((nodes, time.perf_counter() - start))
-        cu = tree.cu_nodes.tolist()
-        for b, r in enumerate(requests):
-            self._trees[r.request_id] = (
-                tree.tokens[cu[b] : cu[b + 1]].tolist(),
-                tree.parents[cu[b] : cu[b + 1]].tolist(),
-            )
+            return TokenTree.from_lists([[r.tokens[-1]] for r in requests])
+        self.proposer.set_budget(nodes, max(depth, 1))
+        start = time.perf_counter()
+        tree = self.proposer.propose(requests)
+        self._propose_times.append((nodes, time.perf_counter() - start))
         return tree
 
-    def observe(self, request_id: int, committed: list[int], hidden: torch.Tensor | None = None) -> None:
-        tree = self._trees.pop(request_id, None)
-        if tree is not None:
-            tokens, parents = tree
-            path, node = [0], 0
-            for token in committed[:-1]:  # the last committed token is the bonus
-                nxt = [c for c in range(1, len(tokens)) if parents[c] == node and tokens[c] == token]
-                if not nxt:
-                    break
-                node = nxt[0]
-                path.append(node)
-            self.stats.update(tokens, parents, path)
-        if self.needs_hidden:
-            self.proposer.observe(request_id, committed, hidden)
-        else:
-            self.proposer.observe(request_id, committed)
+    def observe(self, result: StepResult) -> None:
+        for request in result.requests:
+            self.stats.update(request.tree_tokens, request.tree_parents, request.accepted)
+        self.proposer.observe(result)
 
     def observe_prefill(self, request_id: int, tokens: list[int], hidden: torch.Tensor) -> None:
         self.proposer.observe_prefill(request_id, tokens, hidden)
 
     def release(self, request_id: int) -> None:
-        self._trees.pop(request_id, None)
         self.proposer.release(request_id)

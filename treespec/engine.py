@@ -10,6 +10,7 @@ Names: a *request id* is the engine's handle for a request; a *slot* is a cache 
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -17,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treespec.proposers.base import ProposalRequest, Proposer
+from treespec.proposers.base import ProposalRequest, Proposer, RequestResult, StepResult
 from treespec.sampling import SamplingParams, next_tokens
 from treespec.target import Target
-from treespec.tree import BITS_PER_WORD, TokenTree
-from treespec.verify import verify
+from treespec.tree import TokenTree, chain_mask
+from treespec.verify import MEDUSA_TYPICAL, verify
 
 DEFAULT_MAX_LEN = 2048
 
@@ -94,7 +95,13 @@ class Engine:
         prefill_chunk_size: int | None = None,
         generator: torch.Generator | None = None,
         proposer: Proposer | None = None,
+        debug: bool | None = None,
     ) -> None:
+        """``max_batch_size`` requests run at once (fewer if the proposer holds fewer: its
+        ``max_batch_size``); the rest wait. ``generator`` must live on the target's device.
+        ``debug`` (default: the environment variable ``TREESPEC_DEBUG=1``) runs the full,
+        host-side check of every proposed tree and of verification's inputs each step; without
+        it a step runs one cheap tensor check of what a proposer returned."""
         if prefill_chunk_size is not None and (
             not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1
         ):
@@ -104,28 +111,33 @@ class Engine:
         if max_len is None:
             max_len = min(DEFAULT_MAX_LEN, target.max_context or DEFAULT_MAX_LEN)
         if proposer is not None and not isinstance(proposer, Proposer):
-            raise TypeError(
-                f"proposer must implement treespec.proposers.Proposer, got {type(proposer).__name__}"
-            )
-        draft_vocab = getattr(proposer, "vocab_size", None)
-        if draft_vocab is not None and draft_vocab != target.vocab_size:
+            raise TypeError(f"proposer must be a treespec.proposers.Proposer, got {type(proposer).__name__}")
+        if proposer is not None and proposer.vocab_size not in (None, target.vocab_size):
             raise ValueError(
-                f"the draft's vocabulary ({draft_vocab} tokens) differs from the target's ({target.vocab_size}); "
-                "a draft model must share the target's tokenizer"
+                f"the draft's vocabulary ({proposer.vocab_size} tokens) differs from the target's "
+                f"({target.vocab_size}); a draft model must share the target's tokenizer"
+            )
+        if generator is not None and generator.device.type != target.device.type:
+            raise ValueError(
+                f"the generator is on {generator.device} but the model on {target.device}: every step "
+                f"draws its randomness on the model's device (torch.Generator(device={str(target.device)!r}))"
             )
         self.target = target
         self.proposer = proposer
-        self.wants_hidden = bool(getattr(proposer, "needs_hidden", False))
+        self.wants_hidden = proposer is not None and proposer.needs_hidden
         # Features a head reads: the final hidden state, or the concatenated inputs of the layers
         # it names (EAGLE-3's low, middle and high layers).
-        self.feature_layers = tuple(getattr(proposer, "hidden_layers", ()) or ())
+        self.feature_layers = proposer.hidden_layers if self.wants_hidden else ()
         self._carry: dict[int, torch.Tensor] = {}  # request id -> last hidden state of its latest chunk
         # A tree of N nodes is written past the committed prefix before verification: room for it.
         self.max_tree_nodes = proposer.max_tree_nodes if proposer is not None else 1
+        capacity = proposer.max_batch_size if proposer is not None else None
+        self.max_running = min(max_batch_size, capacity or max_batch_size)
         self.max_len = max_len
-        self.cache = target.new_cache(max_batch_size, max_len + self.max_tree_nodes)
+        self.cache = target.new_cache(self.max_running, max_len + self.max_tree_nodes)
         self.prefill_chunk_size = prefill_chunk_size
         self.generator = generator
+        self.debug = os.environ.get("TREESPEC_DEBUG") == "1" if debug is None else debug
         self.stats = EngineStats()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -186,14 +198,11 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One round: propose trees, score everything in one forward, verify, commit, emit."""
-        with self.target.linears():  # the heads read out through the target's layers too
-            return self._step()
-
-    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         self._admit()
         if not self._running:
             return []
+        device = self.target.device
         decoding = [r for r in self._running if not r.prefilling]
         trees = self._propose(decoding)
         proposed = time.perf_counter()
@@ -202,7 +211,7 @@ class Engine:
             batch.tokens,
             self.cache,
             batch.cu_q,
-            torch.tensor([r.slot for r in self._running]),
+            torch.tensor([r.slot for r in self._running], device=device),
             tree_mask=batch.tree_mask,
             depth=batch.depth,
             logit_rows=batch.logit_rows,
@@ -232,8 +241,17 @@ class Engine:
         prefill_hidden, decode_hidden = self._hidden_for_proposer(
             features, batch, finishing_prefill, decoding, accepted
         )
-        outputs = self._emit(finishing_prefill, first_tokens, prefill_hidden)
-        outputs += self._emit(decoding, committed, decode_hidden, decode=True)
+        # The prompt's last token acts as a root-alone tree: its row produced the first token.
+        prefill_trees = [([r.prompt[-1]], [-1]) for r in finishing_prefill]
+        outputs, results = self._emit(
+            finishing_prefill, prefill_trees, [[0]] * len(finishing_prefill), first_tokens, prefill_hidden
+        )
+        decoded, decode_results = self._emit(
+            decoding, batch.tree_lists, accepted, committed, decode_hidden, decode=True
+        )
+        outputs += decoded
+        if self.proposer is not None and (results or decode_results):
+            self.proposer.observe(StepResult(results + decode_results))
         self._retire()
         self.stats.steps += 1
         self.stats.propose_s += proposed - start
@@ -244,18 +262,19 @@ class Engine:
         return outputs
 
     def _admit(self) -> None:
-        while self._waiting and self.cache.num_free:
+        while self._waiting and self.cache.num_free and len(self._running) < self.max_running:
             request = self._waiting.popleft()
             request.slot = self.cache.allocate()
             self._running.append(request)
             self.stats.prompt_tokens += len(request.prompt)
 
     def _propose(self, decoding: list[Request]) -> TokenTree | None:
-        """One tree per decoding request (validated), or None without a proposer (a root each)."""
+        """One tree per decoding request (checked), on the model's device; None without
+        decoding requests. Without a proposer every tree is its root alone."""
         if not decoding:
             return None
         if self.proposer is None:
-            return TokenTree.from_lists([[r.output[-1]] for r in decoding])
+            return TokenTree.from_lists([[r.output[-1]] for r in decoding]).to(self.target.device)
         asks = [
             ProposalRequest(
                 r.request_id, r.prompt + r.output, len(r.prompt), r.sampling, r.max_new_tokens - len(r.output)
@@ -263,9 +282,9 @@ class Engine:
             for r in decoding
         ]
         tree = self.proposer.propose(asks)
-        check_proposal(tree, asks, self.target.vocab_size, self.max_tree_nodes)
+        check_proposal(tree, asks, self.target.vocab_size, self.max_tree_nodes, full=self.debug)
         self.stats.drafted_nodes += tree.num_nodes - len(decoding)
-        return tree
+        return tree.to(self.target.device)
 
     def _build_step(self, trees: TokenTree | None) -> StepBatch:
         """Flatten prefill chunks (chains) and decoding trees into one ragged batch.
@@ -280,7 +299,7 @@ class Engine:
                 chunks[request.request_id] = request.prompt[
                     request.num_prefilled : request.num_prefilled + size
                 ]
-        return StepBatch.build(self._running, chunks, trees)
+        return StepBatch.build(self._running, chunks, trees, self.target.device)
 
     def _verify(
         self, decoding: list[Request], trees: TokenTree | None, logits: torch.Tensor
@@ -295,18 +314,26 @@ class Engine:
         committed: list[list[int]] = [[] for _ in decoding]
         for params, members in _group_by_sampling(decoding).items():
             sub_tree, sub_logits = _select(trees, logits, members)
-            mode = (
-                "greedy"
-                if params.greedy
-                else ("sampled" if self.proposer.sampled_children else "deterministic")
-            )
-            result = verify(sub_tree, sub_logits, params, mode=mode, generator=self.generator)
+            eps, delta = params.typical_acceptance or MEDUSA_TYPICAL  # read only in typical mode
+            result = verify(
+                sub_tree, sub_logits, params, mode=self._mode(params), generator=self.generator,
+                check=self.debug, typical_eps=eps, typical_delta=delta,
+            )  # fmt: skip
             for k, (nodes, tokens) in enumerate(
                 zip(result.accepted_lists(), result.committed_tokens(sub_tree), strict=True)
             ):
                 accepted[members[k]] = nodes
                 committed[members[k]] = tokens
         return accepted, committed
+
+    def _mode(self, params: SamplingParams) -> str:
+        """The verification rule: greedy at temperature 0; above it typical acceptance when the
+        request asks for it (lossy), else the lossless rule for how the proposer drew children."""
+        if params.greedy:
+            return "greedy"
+        if params.typical_acceptance is not None:
+            return "typical"
+        return "sampled" if self.proposer.sampled_children else "deterministic"
 
     def _first_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[list[int]]:
         """One token per request from its logits row, greedy or sampled as HF samples."""
@@ -339,15 +366,14 @@ class Engine:
                 self._carry[request.request_id] = rows[-1]
 
     def _hidden_for_proposer(self, hidden, batch, finishing_prefill, decoding, accepted):
-        """Per request, the target's final hidden state at each node whose logits produced a
-        committed token: the prompt's last row for the first token; root and accepted nodes after."""
+        """Per request, the target's features at each node whose logits produced a committed
+        token: the prompt's last row for the first token; root and accepted nodes after."""
         if not self.wants_hidden:
             return [None] * len(finishing_prefill), [None] * len(decoding)
-        start = {r.request_id: int(batch.cu_q[i]) for i, r in enumerate(self._running)}
-        end = {r.request_id: int(batch.cu_q[i + 1]) for i, r in enumerate(self._running)}
-        prefill = [hidden[end[r.request_id] - 1 : end[r.request_id]] for r in finishing_prefill]
+        rows = {r.request_id: (batch.cu[i], batch.cu[i + 1]) for i, r in enumerate(self._running)}
+        prefill = [hidden[rows[r.request_id][1] - 1 : rows[r.request_id][1]] for r in finishing_prefill]
         decode = [
-            hidden[[start[r.request_id] + n for n in nodes]]
+            hidden[[rows[r.request_id][0] + n for n in nodes]]
             for r, nodes in zip(decoding, accepted, strict=True)
         ]
         return prefill, decode
@@ -355,13 +381,18 @@ class Engine:
     def _emit(
         self,
         requests: list[Request],
+        trees: list[tuple[list[int], list[int]]],
+        accepted: list[list[int]],
         produced: list[list[int]],
         hidden: list[torch.Tensor | None],
         decode: bool = False,
-    ) -> list[RequestOutput]:
-        """Append each request's committed tokens, cutting at EOS and max_new_tokens."""
-        outputs = []
-        for request, tokens, states in zip(requests, produced, hidden, strict=True):
+    ) -> tuple[list[RequestOutput], list[RequestResult]]:
+        """Append each request's committed tokens, cutting at EOS and max_new_tokens; return
+        what each request produced, and the step's result for the proposer."""
+        outputs, results = [], []
+        for request, (tree_tokens, tree_parents), nodes, tokens, states in zip(
+            requests, trees, accepted, produced, hidden, strict=True
+        ):
             kept = []
             for token in tokens:
                 kept.append(token)
@@ -375,12 +406,19 @@ class Engine:
             self.stats.new_tokens += len(kept)
             if decode:
                 self.stats.accepted_lengths.setdefault(request.request_id, []).append(len(tokens))
-            if self.wants_hidden:  # states[j] is the hidden state that predicted kept[j]
-                self.proposer.observe(request.request_id, kept, states[: len(kept)])
-            elif self.proposer is not None:
-                self.proposer.observe(request.request_id, kept)
             outputs.append(RequestOutput(request.request_id, kept, request.finished, request.finish_reason))
-        return outputs
+            # states[j] is the feature at the node that predicted kept[j]
+            results.append(
+                RequestResult(
+                    request.request_id,
+                    tree_tokens,
+                    tree_parents,
+                    nodes,
+                    kept,
+                    None if states is None else states[: len(kept)],
+                )  # fmt: skip
+            )
+        return outputs, results
 
     def _retire(self) -> None:
         for request in self._running:
@@ -394,10 +432,11 @@ class Engine:
 
 @dataclass
 class StepBatch:
-    """One step's flattened rows. Requests appear in running order; logits rows are ordered
-    prefill-final rows first, then all tree nodes (so the verifier's logits are one slice).
+    """One step's flattened rows, on the model's device. Requests appear in running order;
+    logits rows are ordered prefill-final rows first, then all tree nodes (so the verifier's
+    logits are one slice).
 
-    Shapes (T rows):
+    Shapes (T rows, B requests):
         tokens [T], cu_q [B+1], depth [T], tree_mask [T, W] int32 or None (all chains: causal),
         logit_rows [R]
     """
@@ -408,23 +447,30 @@ class StepBatch:
     tree_mask: torch.Tensor | None
     logit_rows: torch.Tensor
     num_prefill_logits: int
+    cu: list[int]  # cu_q on the host
     chunk_len: dict[int, int]  # prefill tokens carried per request id
     prefill_accepted: dict[int, range]  # per request id, what the cache keeps of its chunk: all of it
     final_chunk: set[int]  # request ids whose chunk ends their prompt
+    tree_lists: list[tuple[list[int], list[int]]]  # per decoding request: its tree's tokens and parents
 
     def finishes_prefill(self, request: Request) -> bool:
         return request.request_id in self.final_chunk
 
     @classmethod
     def build(
-        cls, running: list[Request], chunks: dict[int, list[int]], trees: TokenTree | None
+        cls,
+        running: list[Request],
+        chunks: dict[int, list[int]],
+        trees: TokenTree | None,
+        device: torch.device,
     ) -> StepBatch:
         tokens, depth, cu_q = [], [], [0]
         masks: list[torch.Tensor] = []
-        prefill_rows, tree_rows, final, accepted = [], [], set(), {}
+        prefill_rows, tree_rows, final, accepted, tree_lists = [], [], set(), {}, []
         tree_sizes = trees.sizes() if trees is not None else []
-        tree_tokens = trees.tokens.tolist() if trees is not None else []
+        tree_tokens = trees.tokens.tolist() if trees is not None else []  # host sync, one per tensor
         tree_depth = trees.depth.tolist() if trees is not None else []
+        tree_parents = trees.parents.tolist() if trees is not None else []
         node = 0
         b = 0
         for request in running:
@@ -433,7 +479,7 @@ class StepBatch:
                 chunk = chunks[request.request_id]
                 tokens += chunk
                 depth += range(len(chunk))
-                masks.append(chain_mask(len(chunk)))
+                masks.append(chain_mask(len(chunk), device))
                 accepted[request.request_id] = range(len(chunk))
                 if request.num_prefilled + len(chunk) == len(request.prompt):
                     final.add(request.request_id)
@@ -442,6 +488,7 @@ class StepBatch:
                 size = tree_sizes[b]
                 tokens += tree_tokens[node : node + size]
                 depth += tree_depth[node : node + size]
+                tree_lists.append((tree_tokens[node : node + size], tree_parents[node : node + size]))
                 masks.append(trees.tree_mask[node : node + size])
                 tree_rows += range(start, start + size)
                 node += size
@@ -453,38 +500,68 @@ class StepBatch:
             width = max(m.shape[1] for m in masks)
             mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
         return cls(
-            torch.tensor(tokens),
-            torch.tensor(cu_q),
-            torch.tensor(depth),
+            torch.tensor(tokens, device=device),
+            torch.tensor(cu_q, device=device),
+            torch.tensor(depth, device=device),
             mask,
-            torch.tensor(prefill_rows + tree_rows, dtype=torch.long),
+            torch.tensor(prefill_rows + tree_rows, dtype=torch.long, device=device),
             len(prefill_rows),
+            cu_q,
             {r: len(c) for r, c in chunks.items()},
             accepted,
             final,
+            tree_lists,
         )
 
 
-def chain_mask(length: int) -> torch.Tensor:
-    """[length, ceil(length / 32)] int32 ancestor bitmask of a chain: row i sees 0..i."""
-    words = max(1, -(-length // BITS_PER_WORD))
-    row = torch.arange(length)[:, None]
-    first_bit = torch.arange(words)[None, :] * BITS_PER_WORD
-    count = (row - first_bit + 1).clamp(0, BITS_PER_WORD)  # bits set in each word
-    value = (torch.ones_like(count) << count) - 1  # int64; 2^32 - 1 for a full word
-    return torch.where(value >= 2**31, value - 2**32, value).to(torch.int32)
-
-
 def check_proposal(
-    tree: TokenTree, asks: list[ProposalRequest], vocab_size: int, max_nodes: int | None
+    tree: TokenTree, asks: list[ProposalRequest], vocab_size: int, max_nodes: int, *, full: bool = False
 ) -> None:
-    """A proposer's tree must match the requests: clear errors naming the request and node."""
+    """A proposer's tree must match the requests: clear errors naming the request and node.
+
+    Cheap by default: shapes, then one tensor test of every request's root, size and tokens
+    (one host sync); only when that finds a problem is it located on the host. ``full`` also
+    runs ``TokenTree.validate`` (structure, depths, bitmask: host-side, for tests and debugging).
+    """
     if not isinstance(tree, TokenTree):
         raise TypeError(f"proposer returned {type(tree).__name__}, expected a TokenTree")
     if tree.num_requests != len(asks):
         raise ValueError(f"proposer returned {tree.num_requests} trees for {len(asks)} requests")
+    num_nodes = tree.num_nodes
+    for name in ("parents", "depth", "tree_mask"):
+        if getattr(tree, name).shape[0] != num_nodes:
+            raise ValueError(
+                f"proposer's tree.{name} has {getattr(tree, name).shape[0]} rows for {num_nodes} nodes"
+            )
+    device = tree.tokens.device
+    roots = torch.tensor([ask.tokens[-1] for ask in asks], device=device)
+    sizes = tree.cu_nodes.diff()
+    bad_token = (tree.tokens < 0) | (tree.tokens >= vocab_size)  # [T]
+    malformed = (sizes < 1).any() | (tree.cu_nodes[0] != 0) | (tree.cu_nodes[-1] != num_nodes)
+    request_of = torch.repeat_interleave(torch.arange(len(asks), device=device), sizes.clamp(min=0))
+    bad_request = torch.zeros(len(asks), dtype=torch.long, device=device).index_add_(
+        0, request_of[:num_nodes], bad_token[: len(request_of)].long()
+    )
+    root_tokens = tree.tokens[tree.cu_nodes[:-1].clamp(0, max(num_nodes - 1, 0))]
+    wrong = (root_tokens != roots) | (sizes > max_nodes) | (bad_request > 0) | malformed
+    if bool(wrong.any()) or full:  # host sync: one per step
+        _locate_problem(tree, asks, vocab_size, max_nodes)
+    if full:
+        try:
+            tree.validate()
+        except ValueError as err:
+            raise ValueError(f"proposer returned a malformed tree: {err}") from None
+
+
+def _locate_problem(tree: TokenTree, asks: list[ProposalRequest], vocab_size: int, max_nodes: int) -> None:
+    """Name the first request whose tree is wrong, and how (host-side)."""
     sizes = tree.sizes()
     starts = tree.cu_nodes[:-1].tolist()
+    if min(sizes) < 1 or starts[0] != 0 or starts[-1] + sizes[-1] != tree.num_nodes:
+        raise ValueError(
+            f"proposer returned cu_nodes {tree.cu_nodes.tolist()} for {tree.num_nodes} nodes: every tree "
+            "needs at least its root, back to back from 0"
+        )
     tokens = tree.tokens.tolist()
     for b, ask in enumerate(asks):
         if tokens[starts[b]] != ask.tokens[-1]:
@@ -492,7 +569,7 @@ def check_proposal(
                 f"proposer's tree for request {ask.request_id}: node 0 is token {tokens[starts[b]]}, "
                 f"but the root must be the last committed token {ask.tokens[-1]}"
             )
-        if max_nodes is not None and sizes[b] > max_nodes:
+        if sizes[b] > max_nodes:
             raise ValueError(
                 f"proposer's tree for request {ask.request_id} has {sizes[b]} nodes > its max_tree_nodes={max_nodes}"
             )
@@ -501,10 +578,6 @@ def check_proposal(
             raise ValueError(
                 f"proposer's tree for request {ask.request_id}: node {bad[0]} has a token outside the vocabulary"
             )
-    try:
-        tree.validate()
-    except ValueError as err:
-        raise ValueError(f"proposer returned a malformed tree: {err}") from None
 
 
 def _group_by_sampling(requests: list[Request]) -> dict[SamplingParams, list[int]]:
@@ -518,9 +591,10 @@ def _select(tree: TokenTree, logits: torch.Tensor, members: list[int]) -> tuple[
     """The sub-batch of trees (and their logits rows) of the given requests."""
     if members == list(range(tree.num_requests)):
         return tree, logits
+    device = tree.tokens.device
     starts, ends = tree.cu_nodes[:-1].tolist(), tree.cu_nodes[1:].tolist()
-    rows = torch.cat([torch.arange(starts[m], ends[m]) for m in members])
-    sizes = torch.tensor([ends[m] - starts[m] for m in members])
+    rows = torch.cat([torch.arange(starts[m], ends[m], device=device) for m in members])
+    sizes = torch.tensor([ends[m] - starts[m] for m in members], device=device)
     sub = TokenTree(
         tree.tokens[rows], tree.parents[rows], tree.depth[rows],
         torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]), tree.tree_mask[rows],

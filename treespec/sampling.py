@@ -21,6 +21,10 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int | None = None  # None or 0 = no top-k filter
     top_p: float | None = None  # None or 1.0 = no nucleus filter
+    # (eps, delta) turns on Medusa's typical acceptance above temperature 0: a drafted token x
+    # passes if p(x) > min(eps, delta * exp(-H(p))). LOSSY: the output no longer follows the
+    # target's distribution exactly (docs/verification.md). Medusa's values: (0.09, 0.3).
+    typical_acceptance: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -33,6 +37,17 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 or None, got {self.top_k!r}")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+        typical = self.typical_acceptance
+        if typical is not None and not (
+            isinstance(typical, tuple)
+            and len(typical) == 2
+            and all(isinstance(x, (int, float)) for x in typical)
+            and 0 < typical[0] <= 1
+            and typical[1] >= 0
+        ):
+            raise ValueError(
+                f"typical_acceptance must be None or (eps, delta) with 0 < eps <= 1 and delta >= 0, got {typical!r}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -1,12 +1,12 @@
 """The target: an unmodified Hugging Face causal LM run as one flattened, ragged forward.
 
 treespec registers its attention function under the name ``"treespec"`` in transformers'
-attention-function registry and switches the model to it. The per-step metadata
-(:class:`StepMetadata`: cache, slots, lengths, bitmask) travels as the keyword argument
-``treespec_step`` of the model's forward, which transformers hands unchanged to every attention
-call. Nothing is set on the model per step. A call without that argument (for example the
-user's own ``model.generate``) falls through to PyTorch SDPA with transformers' own masks, so a
-wrapped model still behaves as before.
+attention-function registry. The user's model is left as it was found: the :class:`Target` runs
+a *view* of it (new module objects over the same weight tensors, with their own copy of the
+config naming treespec's attention, and with the CPU linear backend of :mod:`treespec.linear`),
+which goes when the Target goes. The per-step metadata (:class:`StepMetadata`: cache, slots,
+lengths, bitmask) travels as the keyword argument ``treespec_step`` of the view's forward, which
+transformers hands unchanged to every attention call. Nothing is set on any module per step.
 
 All requests of a step go through the model as one sequence (batch dimension 1) with explicit
 position ids: positions are ``prefix_len + depth``; the K/V of new token i of request b are
@@ -15,7 +15,7 @@ written to cache position ``prefix_lens[b] + i`` before attention.
 
 from __future__ import annotations
 
-import contextlib
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -217,6 +217,23 @@ def _check_causal_lm(model: object) -> None:
             raise ValueError(f"config.{name} is not supported by treespec's logits path")
 
 
+def _treespec_view(model: PreTrainedModel, linear_backend: str) -> PreTrainedModel:
+    """The model as treespec runs it, leaving ``model`` untouched: a module view sharing its
+    weights (:func:`treespec.linear.module_view`), in eval mode, whose modules read a copy of the
+    config that names treespec's attention function. Sub-configs (a text config inside a
+    multimodal one) are copied with it, and every module of the view points at the copies."""
+    view = linear.module_view(model, linear_backend)
+    copies: dict[int, object] = {}
+    config = copy.deepcopy(model.config, copies)  # copies: id(original object) -> its copy
+    for module in view.modules():
+        own = module.__dict__.get("config")
+        if own is not None and id(own) in copies:
+            module.config = copies[id(own)]
+    view.config = config
+    view.set_attn_implementation(ATTENTION_NAME)
+    return view.eval()
+
+
 class Target:
     """A wrapped HF causal LM that scores flattened ragged batches of chains and trees."""
 
@@ -230,10 +247,8 @@ class Target:
         _check_causal_lm(model)
         self.attention_backend = resolve_backend(attention_backend, model.device)
         self.linear_backend = linear.resolve_linear_backend(linear_backend, model.device)
-        if self.linear_backend == "fp32-kmajor":
-            linear.install(model)
-        self.model = model.eval()
-        self.model.set_attn_implementation(ATTENTION_NAME)
+        self.model = model  # the user's model, left as it was found
+        self.runner = _treespec_view(model, self.linear_backend)  # what treespec runs: shares the weights
         config = model.config
         self.config = config
         self.num_layers = config.num_hidden_layers
@@ -249,11 +264,6 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
-
-    def linears(self) -> contextlib.AbstractContextManager:
-        """The context in which this target's linear backend is in force (the engine holds it
-        over a whole step, so heads reading out through the target's LM head share it)."""
-        return linear.active() if self.linear_backend == "fp32-kmajor" else contextlib.nullcontext()
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """A cache shaped for this model. It may hold a little more than the model's context: a
@@ -293,17 +303,16 @@ class Target:
         device = self.device
         step = StepMetadata.build(cache, cu_q, slots, tree_mask, depth, backend=self.attention_backend)
         q_positions = step.q_positions.long()
-        with self.linears():
-            out = self.model(
-                input_ids=tokens.to(device)[None],
-                position_ids=q_positions[None],
-                use_cache=False,
-                output_hidden_states=return_hidden or bool(hidden_layers),
-                logits_to_keep=torch.arange(len(tokens), device=device)
-                if logit_rows is None
-                else logit_rows.to(device),
-                **{STEP_KWARG: step},
-            )
+        out = self.runner(
+            input_ids=tokens.to(device)[None],
+            position_ids=q_positions[None],
+            use_cache=False,
+            output_hidden_states=return_hidden or bool(hidden_layers),
+            logits_to_keep=torch.arange(len(tokens), device=device)
+            if logit_rows is None
+            else logit_rows.to(device),
+            **{STEP_KWARG: step},
+        )
         states = out.hidden_states  # (embeddings, layer 1, ..., final normed) or None
         return TargetOutput(
             logits=out.logits[0].float(),

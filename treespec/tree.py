@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,35 +28,99 @@ BITS_PER_WORD = 32
 NO_PARENT = -1  # the root's parent
 
 
-def pack_ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """Ancestor-and-self bitmask of one tree given parent indices (parents before children).
+def pack_bits(visible: torch.Tensor) -> torch.Tensor:
+    """Pack a boolean visibility tensor into the attention contract's int32 words: the form of
+    the vectorised builders (``words_from_bits`` packs the host-side builders' Python bitsets).
 
-    Bit j of word w in row t is set when node 32*w + j is node t or one of its ancestors: the
-    packing of the attention contract (kernels/tree_attention.py).
+    Bit j of word w in row t is ``visible[..., t, 32*w + j]`` (two's complement for bit 31).
 
     Shape:
-        parents [N] -> mask [N, ceil(N / 32)] int32
+        visible [..., M, N] bool -> [..., M, max(1, ceil(N / 32))] int32
     """
-    num_nodes = len(parents)
-    rows: list[list[int]] = []
+    *lead, rows, cols = visible.shape
+    num_words = max(1, -(-cols // BITS_PER_WORD))
+    padded = torch.nn.functional.pad(visible, (0, num_words * BITS_PER_WORD - cols))
+    bits = padded.view(*lead, rows, num_words, BITS_PER_WORD).long()
+    shifts = torch.arange(BITS_PER_WORD, device=visible.device)
+    words = (bits << shifts).sum(-1)  # distinct powers of two: the sum is the bitwise or
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def ancestor_bits(parents: Sequence[int], *, forest: bool = False) -> list[int]:
+    """Ancestor-and-self sets of one tree (or, with ``forest``, of several trees whose roots have
+    parent -1) as Python-int bitsets: bit j of row t is set when node j is node t or an ancestor.
+    Parents come before children.
+
+    Shape:
+        parents [N] -> N ints of N bits
+    """
+    rows: list[int] = []
     for node, parent in enumerate(parents):
-        if not (parent == NO_PARENT if node == 0 else 0 <= parent < node):
+        is_root = parent == NO_PARENT and (forest or node == 0)
+        if not (is_root or 0 <= parent < node):
             raise ValueError(
                 f"parent of node {node} is {parent}: node 0 must be the root ({NO_PARENT}) and every "
                 "other parent must come before its child"
             )
-        bits = 1 << node if node == 0 else rows[parent] | (1 << node)
-        rows.append(bits)
-    return words_to_tensor(rows, num_words=max(1, -(-num_nodes // BITS_PER_WORD)))
+        rows.append((1 << node) | (0 if is_root else rows[parent]))
+    return rows
 
 
-def words_to_tensor(rows: list[int], num_words: int) -> torch.Tensor:
-    """Python-int bitsets -> [N, num_words] int32 words (two's complement for bit 31)."""
-    out = torch.zeros(len(rows), num_words, dtype=torch.int64)
-    for r, bits in enumerate(rows):
-        for w in range(num_words):
-            out[r, w] = (bits >> (BITS_PER_WORD * w)) & 0xFFFFFFFF
+def words_from_bits(rows: Sequence[int], num_words: int | None = None) -> torch.Tensor:
+    """Python-int bitsets -> the contract's int32 words (two's complement for bit 31).
+
+    Shape:
+        N ints -> [N, num_words] int32 (default: enough words for N bits)
+    """
+    num_words = num_words or max(1, -(-len(rows) // BITS_PER_WORD))
+    words = [(bits >> (BITS_PER_WORD * w)) & 0xFFFFFFFF for bits in rows for w in range(num_words)]
+    out = torch.tensor(words, dtype=torch.int64).view(len(rows), num_words)
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+def pack_ancestor_mask(
+    parents: Sequence[int], *, forest: bool = False, num_words: int | None = None
+) -> torch.Tensor:
+    """Ancestor-and-self bitmask of one tree (or forest) given parent indices: the packing of
+    the attention contract (kernels/tree_attention.py).
+
+    Shape:
+        parents [N] -> mask [N, num_words or ceil(N / 32)] int32
+    """
+    return words_from_bits(ancestor_bits(parents, forest=forest), num_words)
+
+
+def chain_mask(length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """[length, ceil(length / 32)] int32 ancestor bitmask of a chain: row i sees 0..i.
+
+    Closed form (a prefill chunk may be thousands of tokens): word w of row i has its low
+    ``clamp(i - 32 w + 1, 0, 32)`` bits set."""
+    words = max(1, -(-length // BITS_PER_WORD))
+    row = torch.arange(length, device=device)[:, None]
+    first_bit = torch.arange(words, device=device)[None, :] * BITS_PER_WORD
+    count = (row - first_bit + 1).clamp(0, BITS_PER_WORD)  # bits set in each word
+    value = (torch.ones_like(count) << count) - 1  # int64; 2^32 - 1 for a full word
+    return torch.where(value >= 2**31, value - 2**32, value).to(torch.int32)
+
+
+def dynamic_capacity(top_k: int, depth: int) -> int:
+    """Drafted nodes an EAGLE-2 dynamic tree can rerank: the root's top_k children, then top_k
+    children of each of the top_k frontier nodes at every further level."""
+    return top_k + (depth - 1) * top_k * top_k
+
+
+def fit_dynamic_budget(
+    top_k: int, max_depth: int, max_nodes: int, num_nodes: int, depth: int
+) -> tuple[int, int]:
+    """(depth, num_nodes) of a dynamic tree for a requested budget, within the sizes a proposer
+    was built for: nodes clamped to [1, max_nodes]; depth clamped to [1, max_depth] and to the
+    node count (n nodes reach depth n at most: no idle levels, each costs a drafting pass), then
+    deepened while it cannot hold the nodes; nodes cut to what that depth holds."""
+    nodes = max(1, min(num_nodes, max_nodes))
+    depth = max(1, min(depth, max_depth, nodes))
+    while depth < max_depth and dynamic_capacity(top_k, depth) < nodes:
+        depth += 1
+    return depth, min(nodes, dynamic_capacity(top_k, depth))
 
 
 @dataclass(frozen=True)
@@ -94,6 +158,14 @@ class TokenTree:
     def sizes(self) -> list[int]:
         """Nodes per request (host sync)."""
         return (self.cu_nodes[1:] - self.cu_nodes[:-1]).tolist()
+
+    def to(self, device: torch.device | str) -> TokenTree:
+        """The same tree with every tensor on ``device``."""
+        probs = None if self.draft_probs is None else self.draft_probs.to(device)
+        return TokenTree(
+            self.tokens.to(device), self.parents.to(device), self.depth.to(device),
+            self.cu_nodes.to(device), self.tree_mask.to(device), probs,
+        )  # fmt: skip
 
     @classmethod
     def from_lists(
@@ -244,6 +316,13 @@ class TreeShape:
         for name, value in derived.items():
             object.__setattr__(self, name, value)  # frozen: derived once, here
 
+    def cut(self, max_depth: int) -> TreeShape:
+        """This shape without the nodes deeper than ``max_depth`` (a request close to its
+        max_new_tokens needs no deeper guesses)."""
+        if max_depth >= self.max_depth:
+            return self
+        return TreeShape.from_paths(p for p in self.paths if len(p) <= max_depth)
+
     @classmethod
     def from_paths(cls, paths: Iterable[Sequence[int]]) -> TreeShape:
         """Validate and sort root-to-node paths; ``()`` (the root, always node 0) is ignored."""
@@ -337,6 +416,24 @@ def expected_accepted_length(shape: TreeShape, acceptance: Sequence[Sequence[flo
     return sum(_path_probability(path, rates) for path in shape.paths)
 
 
+def best_paths(rates: Sequence[Sequence[float]]) -> Iterator[tuple[float, Path]]:
+    """Every path the table allows, by decreasing probability: (probability, path).
+
+    ``rates[d][r]`` is the probability that the rank-r candidate at depth d + 1 is accepted given
+    its parent was. A heap over the frontier (children of the paths given so far); ties go to the
+    shorter path, then the lower ranks. The order :func:`best_tree` takes its nodes in, and the
+    one the adaptive budget sums expected tokens over.
+    """
+    frontier = [(-rate, 1, (r,)) for r, rate in enumerate(rates[0])]  # (-prob, depth, path)
+    heapq.heapify(frontier)
+    while frontier:
+        neg_prob, depth, path = heapq.heappop(frontier)
+        yield -neg_prob, path
+        if depth < len(rates):
+            for r, rate in enumerate(rates[depth]):
+                heapq.heappush(frontier, (neg_prob * rate, depth + 1, path + (r,)))
+
+
 def best_tree(acceptance: Sequence[Sequence[float]] | torch.Tensor, num_nodes: int) -> TreeShape:
     """The shape of ``num_nodes`` nodes (root excluded) maximising expected_accepted_length.
 
@@ -361,17 +458,9 @@ def best_tree(acceptance: Sequence[Sequence[float]] | torch.Tensor, num_nodes: i
     rates = _check_acceptance(acceptance)
     if num_nodes < 1:
         raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
-    frontier = [(-rate, 1, (r,)) for r, rate in enumerate(rates[0])]  # (-prob, depth, path)
-    heapq.heapify(frontier)
-    chosen: list[Path] = []
-    while len(chosen) < num_nodes:
-        if not frontier:
-            raise ValueError(f"the acceptance table allows only {len(chosen)} nodes, {num_nodes} asked")
-        neg_prob, depth, path = heapq.heappop(frontier)
-        chosen.append(path)
-        if depth < len(rates):
-            for r, rate in enumerate(rates[depth]):
-                heapq.heappush(frontier, (neg_prob * rate, depth + 1, path + (r,)))
+    chosen = [path for _, path in itertools.islice(best_paths(rates), num_nodes)]
+    if len(chosen) < num_nodes:
+        raise ValueError(f"the acceptance table allows only {len(chosen)} nodes, {num_nodes} asked")
     return TreeShape.from_paths(chosen)
 
 
@@ -422,13 +511,10 @@ def _pack_trees(
     sizes = keep.sum(1)  # [B]
     cu_nodes = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
     widest = int(sizes.max()) if num_trees else 1  # host sync
-    num_words = -(-widest // BITS_PER_WORD)
-    word, bit = new_index // BITS_PER_WORD, new_index % BITS_PER_WORD
-    bit_value = torch.where(keep, torch.ones_like(bit) << bit, 0)  # [B, M] int64
-    mask = torch.stack(
-        [((anc & (word == w)[:, None, :]) * bit_value[:, None, :]).sum(-1) for w in range(num_words)], -1
-    )  # [B, M, W]; distinct powers of two, so the sum is the bitwise or
-    mask = torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)  # two's complement for bit 31
+    # Move each kept column to its new index; dropped columns go to a spare last column.
+    column = torch.where(keep, new_index, num_nodes)[:, None, :].expand(-1, num_nodes, -1)
+    visible = anc.new_zeros(num_trees, num_nodes, num_nodes + 1).scatter_(2, column, anc & keep[:, None, :])
+    mask = pack_bits(visible[..., :widest])  # [B, M, W]
     probs = None if draft_probs is None else draft_probs[keep]
     tree = TokenTree(tokens[keep], new_parents[keep], depth[keep], cu_nodes, mask[keep], probs)
     return tree, keep
@@ -490,7 +576,7 @@ def build_static_tree(
 # --------------------------------------------------------------------------------------------
 
 ExpandFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-"""expand(step, frontier_tokens [B, K], frontier_ids [B, K]) -> next-token log-probs [B, K, V]."""
+"""expand(step, frontier_tokens [B, K], parent_slots [B, K]) -> next-token log-probs [B, K, V]."""
 
 
 def _stable_top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -510,12 +596,13 @@ def _grow_pool(
     score_dtype = torch.promote_types(root_logprobs.dtype, torch.float32)
     frontier_scores, frontier_tokens = root_logprobs.to(score_dtype).topk(k, dim=-1)  # [B, K]
     frontier_ids = torch.arange(1, k + 1, device=root_tokens.device).repeat(batch, 1)  # [B, K]
+    parent_slots = torch.full_like(frontier_ids, NO_PARENT)  # the first frontier's parent: the root
     tokens = [root_tokens[:, None].long(), frontier_tokens]
     scores = [frontier_scores.new_zeros(batch, 1), frontier_scores]
     parents = [torch.full_like(frontier_ids[:, :1], NO_PARENT), torch.zeros_like(frontier_ids)]
     first_id = 1 + k
     for step in range(1, depth):
-        logprobs = expand(step, frontier_tokens, frontier_ids)
+        logprobs = expand(step, frontier_tokens, parent_slots)
         if logprobs.dim() != 3 or logprobs.shape[:2] != (batch, k) or logprobs.shape[2] < k:
             raise ValueError(f"expand returned {tuple(logprobs.shape)}, expected [B={batch}, K={k}, V >= K]")
         child_logprobs, child_tokens = logprobs.to(score_dtype).topk(k, dim=-1)  # [B, K, K]
@@ -525,7 +612,7 @@ def _grow_pool(
         scores.append(child_scores)
         parents.append(frontier_ids[:, :, None].expand(-1, -1, k).flatten(1))
         best = _stable_top_indices(child_scores, k)  # [B, K] the next frontier
-        frontier_ids = first_id + best
+        frontier_ids, parent_slots = first_id + best, best // k  # child i * K + j has parent slot i
         frontier_tokens, frontier_scores = child_tokens.gather(1, best), child_scores.gather(1, best)
         first_id += k * k
     return torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1)
@@ -554,14 +641,13 @@ def build_dynamic_tree(
        the kept set is closed under ancestors. Kept nodes are emitted in drafting order, which
        is parents before children (by depth, then drafting order), the root first.
 
-    What ``expand(step, frontier_tokens, frontier_ids)`` receives:
+    What ``expand(step, frontier_tokens, parent_slots)`` receives:
         step             the depth of the frontier nodes, 1 .. depth - 1
         frontier_tokens  [B, K] long, the frontier nodes' tokens
-        frontier_ids     [B, K] long, the frontier nodes' drafted-node ids within their request
-    Drafted-node ids: 0 is the root; 1 .. K its children in rank order; the children produced by
-    call `step` are ``1 + K + (step - 1) * K * K + i * K + j`` for frontier slot i, child rank j.
-    So a frontier node's parent is the node expand saw in slot ``(id - 1 - K - (step - 2) * K * K)
-    // K`` of the previous call (the root for step 1): a head keeps its per-node state keyed by id.
+        parent_slots     [B, K] long, for each frontier node the slot (0 .. K - 1) its parent had
+                         in the previous call's frontier; -1 at step 1, where the parent is the root
+    So a head keeps its per-node state (features, K/V) by frontier slot, level by level, and
+    never needs the builder's own node numbering.
     It must return log-probabilities [B, K, V] (e.g. log_softmax), never raw logits.
 
     Shape:
@@ -575,8 +661,11 @@ def build_dynamic_tree(
             f"need root_tokens [B] and root_logprobs [B, V], got {tuple(root_tokens.shape)} "
             f"and {tuple(root_logprobs.shape)}"
         )
-    capacity = top_k + (depth - 1) * top_k * top_k
-    if not (1 <= top_k <= root_logprobs.shape[1] and depth >= 1 and 1 <= num_nodes <= capacity):
+    if not (
+        1 <= top_k <= root_logprobs.shape[1]
+        and depth >= 1
+        and 1 <= num_nodes <= dynamic_capacity(top_k, depth)
+    ):
         raise ValueError(
             f"need 1 <= top_k <= vocab ({root_logprobs.shape[1]}), depth >= 1 and 1 <= num_nodes <= "
             f"top_k + (depth - 1) * top_k^2; got top_k={top_k}, depth={depth}, num_nodes={num_nodes}"

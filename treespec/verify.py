@@ -43,6 +43,7 @@ from treespec.tree import TokenTree
 Mode = Literal["greedy", "deterministic", "sampled", "typical"]
 MODES = ("greedy", "deterministic", "sampled", "typical")
 NO_NODE = -1  # padding in children tables and paths
+MEDUSA_TYPICAL = (0.09, 0.3)  # (eps, delta) of typical acceptance, Medusa's defaults
 _TINY = 1e-30  # keeps a renormalisation finite when a residual is (numerically) empty
 
 
@@ -66,7 +67,9 @@ class VerifyOutput:
     def committed_tokens(self, tree: TokenTree) -> list[list[int]]:
         """Per request: the accepted drafted tokens, then the bonus (host sync)."""
         starts = tree.cu_nodes[:-1]
-        request = torch.repeat_interleave(torch.arange(len(self.num_accepted)), self.num_accepted + 1)
+        request = torch.repeat_interleave(
+            torch.arange(len(self.num_accepted), device=starts.device), self.num_accepted + 1
+        )
         tokens = tree.tokens[self.accepted_nodes + starts[request]].tolist()
         cu, bonus = self.cu_accepted.tolist(), self.bonus_tokens.tolist()
         return [tokens[cu[b] + 1 : cu[b + 1]] + [bonus[b]] for b in range(len(bonus))]
@@ -85,8 +88,9 @@ def verify(
     mode: Mode | None = None,
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
-    typical_eps: float = 0.09,
-    typical_delta: float = 0.3,
+    typical_eps: float = MEDUSA_TYPICAL[0],
+    typical_delta: float = MEDUSA_TYPICAL[1],
+    check: bool = True,
 ) -> VerifyOutput:
     """Walk every request's tree from its root and decide what the target keeps.
 
@@ -99,7 +103,10 @@ def verify(
         uniforms      [T, 2] in [0, 1), or None to draw them from ``generator``
     """
     mode = mode or ("greedy" if params.greedy else "deterministic")
-    check_inputs(tree, target_logits, mode, uniforms)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if check:
+        check_inputs(tree, target_logits, mode, uniforms)
     if mode == "greedy":
         return _verify_greedy(tree, target_logits)
     if params.greedy:
@@ -152,7 +159,7 @@ def check_inputs(
 
 
 def _check_parents(tree: TokenTree) -> None:
-    local = torch.arange(tree.num_nodes) - tree.cu_nodes[_node_requests(tree)]
+    local = torch.arange(tree.num_nodes, device=tree.tokens.device) - tree.cu_nodes[_node_requests(tree)]
     is_root = local == 0
     bad = torch.where(is_root, tree.parents != NO_NODE, (tree.parents < 0) | (tree.parents >= local))
     if bool(bad.any()):
@@ -169,7 +176,10 @@ def _check_finite(logits: torch.Tensor, tree: TokenTree, name: str) -> None:
     bad = ~torch.isfinite(logits.amax(-1))
     if bool(bad.any()):
         t = int(bad.nonzero()[0])
-        b = int(torch.searchsorted(tree.cu_nodes, torch.tensor(t), right=True)) - 1
+        b = (
+            int(torch.searchsorted(tree.cu_nodes, torch.tensor(t, device=tree.cu_nodes.device), right=True))
+            - 1
+        )
         raise ValueError(
             f"{name} row {t} (request {b}, node {t - int(tree.cu_nodes[b])}) holds NaN or +inf, or only -inf"
         )
@@ -177,7 +187,9 @@ def _check_finite(logits: torch.Tensor, tree: TokenTree, name: str) -> None:
 
 def _node_requests(tree: TokenTree) -> torch.Tensor:
     """[T] request index of each node."""
-    return torch.repeat_interleave(torch.arange(tree.num_requests), tree.cu_nodes.diff())
+    return torch.repeat_interleave(
+        torch.arange(tree.num_requests, device=tree.tokens.device), tree.cu_nodes.diff()
+    )
 
 
 def _global_parents(tree: TokenTree, root_fill: int = NO_NODE) -> torch.Tensor:
@@ -195,9 +207,9 @@ def children_table(tree: TokenTree) -> torch.Tensor:
     order = torch.argsort(parent_of_child, stable=True)
     child, parent_of_child = child[order], parent_of_child[order]
     first = torch.searchsorted(parent_of_child, parent_of_child)
-    rank = torch.arange(len(child)) - first
+    rank = torch.arange(len(child), device=child.device) - first
     width = int(rank.max()) + 1 if len(child) else 1
-    table = torch.full((num_nodes, width), NO_NODE, dtype=torch.long)
+    table = torch.full((num_nodes, width), NO_NODE, dtype=torch.long, device=child.device)
     table[parent_of_child, rank] = child
     return table
 
@@ -210,8 +222,8 @@ def _verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> VerifyOutput
     children = children_table(tree)
     child_tokens = torch.where(children >= 0, tree.tokens[children.clamp(min=0)], NO_NODE)  # [T, C]
     current = tree.cu_nodes[:-1].clone()  # [B] global index of each request's current node
-    walking = torch.ones(tree.num_requests, dtype=torch.bool)
-    bonus = torch.zeros(tree.num_requests, dtype=torch.long)
+    walking = torch.ones(tree.num_requests, dtype=torch.bool, device=current.device)
+    bonus = torch.zeros_like(current)
     while bool(walking.any()):  # host sync per level
         best = target_logits[current].argmax(-1)  # [B]
         match = child_tokens[current] == best[:, None]  # [B, C]; distinct siblings: at most one
@@ -225,9 +237,11 @@ def _verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> VerifyOutput
 
 def _deepest_kept(tree: TokenTree, kept: torch.Tensor, request: torch.Tensor) -> torch.Tensor:
     """[B] global index of each request's deepest kept node (first in node order on ties)."""
-    index = torch.arange(tree.num_nodes)
+    index = torch.arange(tree.num_nodes, device=kept.device)
     score = torch.where(kept, tree.depth * tree.num_nodes + (tree.num_nodes - 1 - index), -1)  # unique, >= 0
-    best = torch.full((tree.num_requests,), -1, dtype=torch.long).scatter_reduce(0, request, score, "amax")
+    best = torch.full((tree.num_requests,), -1, dtype=torch.long, device=kept.device).scatter_reduce(
+        0, request, score, "amax"
+    )
     is_best = kept & (score == best[request])
     return torch.zeros_like(best).scatter(0, request[is_best], index[is_best])
 
@@ -237,7 +251,7 @@ def _finish(tree: TokenTree, last: torch.Tensor, bonus: torch.Tensor) -> VerifyO
     starts = tree.cu_nodes[:-1]
     num_accepted = tree.depth[last]
     max_len = int(num_accepted.max()) + 1
-    path = torch.full((tree.num_requests, max_len), NO_NODE, dtype=torch.long)
+    path = torch.full((tree.num_requests, max_len), NO_NODE, dtype=torch.long, device=last.device)
     node = last.clone()
     global_parent = _global_parents(tree)
     for _ in range(max_len):  # walk up from the last node, writing depths from the bottom
@@ -246,7 +260,7 @@ def _finish(tree: TokenTree, last: torch.Tensor, bonus: torch.Tensor) -> VerifyO
         node = torch.where(live, global_parent[node.clamp(min=0)], NO_NODE)
     keep = path >= 0
     accepted = (path - starts[:, None])[keep]
-    cu = torch.zeros(tree.num_requests + 1, dtype=torch.long)
+    cu = torch.zeros(tree.num_requests + 1, dtype=torch.long, device=last.device)
     cu[1:] = (num_accepted + 1).cumsum(0)
     return VerifyOutput(accepted, cu, num_accepted, bonus)
 
@@ -266,8 +280,8 @@ def _verify_stochastic(
     """
     children = children_table(tree)
     current = tree.cu_nodes[:-1].clone()  # [B] global index of each request's current node
-    bonus = torch.zeros(tree.num_requests, dtype=torch.long)
-    live = torch.arange(tree.num_requests)  # requests still walking
+    bonus = torch.zeros_like(current)
+    live = torch.arange(tree.num_requests, device=current.device)  # requests still walking
     while len(live):
         node = current[live]  # [L]
         target_probs = logits_to_probs(target_logits[node], params)  # [L, V]
@@ -312,7 +326,7 @@ def _residual(
     Shape:
         target_probs, draft_probs [N, V]; token [N]
     """
-    rows = torch.arange(len(token))
+    rows = torch.arange(len(token), device=token.device)
     if draft_probs is None:
         residual = target_probs.clone()
         residual[rows, token] = 0.0

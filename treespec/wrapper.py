@@ -118,8 +118,8 @@ class SpeculativeCausalLM:
     ``proposer`` drafts token trees for speculative decoding (None: autoregressive decoding).
     ``prefill_chunk_size`` splits long prompts into chunks; ``attention_backend`` ("auto",
     "triton" or "reference") and ``linear_backend`` ("auto", "native" or "fp32-kmajor") are
-    handed to :class:`~treespec.target.Target`. Wrapping switches the model's attention to
-    treespec's; the model's own ``generate`` and ``forward`` keep working as before.
+    handed to :class:`~treespec.target.Target`, which runs a view of the model: the model itself
+    is left as it was, so its own ``generate`` and ``forward`` are unchanged.
     """
 
     def __init__(

@@ -4,20 +4,35 @@ Each step, for the requests that are decoding, the engine calls ``propose`` with
 :class:`ProposalRequest` each and gets back one :class:`TokenTree` holding one tree per request,
 in the same order. Node 0 of tree b must be ``requests[b].tokens[-1]`` (the root: the last
 committed token, not yet in the target's cache). A tree may be the root alone: no speculation
-for that request this step. After verification the engine calls ``observe`` with the tokens
-that were committed for each request (accepted drafted tokens, then the bonus), and ``release``
-when a request leaves.
+for that request this step. After verification the engine calls ``observe`` once with a
+:class:`StepResult` (per request: its tree, the accepted node indices, the committed tokens and,
+for heads, the target's features at the accepted nodes), and ``release`` when a request leaves.
 
-A proposer's trees are verified by the engine with the greedy rule at temperature 0, and above
-it with the sampled-children rule when ``sampled_children`` is True (each child drawn from the
-tree's ``draft_probs`` row of its parent, without replacement), else the deterministic-children
-rule (children chosen without looking at the verifier's coins, e.g. top-k). Both are lossless.
+Everything a proposer may need or offer is declared on :class:`Proposer` with a default, so the
+engine and the wrappers read attributes and never probe for them:
+
+    sampled_children  True: children are drawn from the tree's ``draft_probs`` without
+                      replacement (verified by the sampled-children rule above temperature 0);
+                      False: chosen without the verifier's coins, e.g. top-k (deterministic rule).
+    max_tree_nodes    the most nodes (root included) of any tree it returns; sizes the KV cache.
+    max_batch_size    the most requests it can hold at once (None: no limit); the engine never
+                      runs more decoding requests than this.
+    vocab_size        the vocabulary it drafts from (None: any); must equal the target's.
+    needs_hidden      True: the engine hands over target features (``observe_prefill`` for every
+                      prefill chunk, ``StepResult`` rows after every step).
+    hidden_layers     with ``needs_hidden``: () for the final normed hidden state, else the HF
+                      ``hidden_states`` indices (0 = embeddings) whose rows are concatenated
+                      (EAGLE-3's low, middle and high layers).
+    has_budget        True: ``set_budget(num_nodes, depth)`` sizes the next trees (the adaptive
+                      budget of ``treespec.budget`` drives it).
 """
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+
+import torch
 
 from treespec.sampling import SamplingParams
 from treespec.tree import TokenTree
@@ -34,33 +49,84 @@ class ProposalRequest:
     max_new: int  # the most tokens this request can still commit (a longer proposal is wasted)
 
 
-@runtime_checkable
-class Proposer(Protocol):
-    """What the engine calls. Small strategy objects: one file per proposer."""
+@dataclass(frozen=True)
+class RequestResult:
+    """What one step did for one request.
 
-    sampled_children: bool  # True: children are drawn from draft_probs without replacement
-    max_tree_nodes: int  # the most nodes (root included) of any tree it returns; sizes the KV cache
+    The tree is the one the proposer returned for it. A request that has just finished its
+    prefill reports the prompt's last token as a root-alone tree: its row produced the first
+    generated token, exactly as a root's row produces a bonus.
 
+    Fields (N nodes in the request's tree, C committed tokens, F feature width):
+        tree_tokens   [N] the tree's tokens, node 0 the root
+        tree_parents  [N] parent of each node within the tree, -1 at the root
+        accepted      node indices the target kept, the root first, then the accepted path in order
+        committed     [C] tokens appended to the output: the accepted drafted tokens, then the bonus,
+                      cut after an EOS token or at max_new_tokens (so C <= len(accepted))
+        hidden        [C, F] target features at the node whose logits produced each committed
+                      token (``hidden[j]`` is the state at node ``accepted[j]``), or None when the
+                      proposer does not need them
+    """
+
+    request_id: int
+    tree_tokens: list[int]
+    tree_parents: list[int]
+    accepted: list[int]
+    committed: list[int]
+    hidden: torch.Tensor | None = None
+
+    @property
+    def num_accepted(self) -> int:
+        """Drafted tokens the target accepted and the output kept (the bonus not counted)."""
+        return min(len(self.accepted), len(self.committed)) - 1
+
+    def rejected_at_last(self) -> bool:
+        """True when the walk stopped at a node that had children (drafts were rejected there)."""
+        return bool(self.accepted) and self.accepted[-1] in self.tree_parents
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Everything one engine step committed, built once from verification, for the proposer."""
+
+    requests: list[RequestResult]
+
+
+class Proposer(abc.ABC):
+    """What the engine calls. Small strategy objects: one file per proposer.
+
+    Subclasses override the capabilities they have (module docstring) and ``propose``; the
+    other methods default to doing nothing.
+    """
+
+    sampled_children: bool = False
+    max_tree_nodes: int = 1
+    max_batch_size: int | None = None
+    vocab_size: int | None = None
+    needs_hidden: bool = False
+    hidden_layers: tuple[int, ...] = ()
+    has_budget: bool = False
+
+    @abc.abstractmethod
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
         """One tree per request, in order, rooted at each request's last committed token."""
-        ...
 
-    def observe(self, request_id: int, committed: list[int]) -> None:
-        """The tokens committed for a request this step (accepted drafted tokens, then the bonus).
+    def observe(self, result: StepResult) -> None:  # noqa: B027 (a default: nothing to learn)
+        """What the last step committed, per request (see :class:`RequestResult`)."""
 
-        A proposer with a true ``needs_hidden`` attribute (heads) is called as
-        ``observe(request_id, committed, hidden)`` instead, ``hidden [len(committed), H]`` being the
-        target's final hidden state at the node whose logits produced each committed token.
-        Such a proposer also gets ``observe_prefill(request_id, tokens, hidden)`` for every
-        prefill chunk: ``hidden[j]`` is the hidden state of the position just before
-        ``tokens[j]`` (pairs (h_t, x_{t+1}), carried across chunk boundaries, so that any
-        chunking delivers the same pairs; the prompt's last state comes with the first
-        generated token through ``observe``). A proposer that names ``hidden_layers`` (EAGLE-3)
-        gets, instead of the final state, the concatenated inputs of those target layers (HF
-        ``hidden_states`` indices, 0 = the embeddings): rows of width ``len(hidden_layers) * H``.
+    def observe_prefill(self, request_id: int, tokens: list[int], hidden: torch.Tensor) -> None:  # noqa: B027
+        """One prefill chunk's (feature, next token) pairs, for proposers that ``needs_hidden``.
+
+        ``hidden[j]`` is the feature of the position just before ``tokens[j]`` (pairs
+        (h_t, x_{t+1}), carried across chunk boundaries, so that any chunking delivers the same
+        pairs; the prompt's last state comes with the first generated token through ``observe``).
+        Shape: tokens [n], hidden [n, F].
         """
-        ...
 
-    def release(self, request_id: int) -> None:
+    def release(self, request_id: int) -> None:  # noqa: B027 (a default: no state to forget)
         """The request left the batch; forget its state."""
-        ...
+
+    def set_budget(self, num_nodes: int, depth: int) -> None:
+        """Draft at most ``num_nodes`` nodes (root excluded), ``depth`` deep, from the next step on.
+        Only for proposers with ``has_budget``."""
+        raise TypeError(f"{type(self).__name__} has no settable budget: its tree size is fixed")

@@ -24,13 +24,23 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from treespec.proposers.base import ProposalRequest
+from treespec.proposers.base import ProposalRequest, Proposer
 from treespec.sampling import logits_to_probs
 from treespec.target import Target
-from treespec.tree import TokenTree, TreeShape, build_dynamic_tree, chain, words_to_tensor
+from treespec.tree import (
+    BITS_PER_WORD,
+    NO_PARENT,
+    TokenTree,
+    TreeShape,
+    build_dynamic_tree,
+    chain,
+    dynamic_capacity,
+    fit_dynamic_budget,
+    pack_ancestor_mask,
+)
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """Proposes a static ``TreeShape`` of draft tokens per request from a smaller causal LM."""
 
     def __init__(
@@ -43,58 +53,60 @@ class DraftModelProposer:
         max_batch_size: int = 8,
         max_len: int | None = None,
         attention_backend: str = "auto",
+        linear_backend: str = "auto",
         generator: torch.Generator | None = None,
         dynamic: tuple[int, int, int] | None = None,
     ) -> None:
         """``dynamic=(top_k, depth, num_nodes)`` grows an EAGLE-2 dynamic tree over the draft's
         cumulative log-probabilities (``tree.build_dynamic_tree``) instead of ``shape``; its
-        children are top-k, so it cannot be combined with ``sample``."""
+        children are top-k, so it cannot be combined with ``sample``. ``max_batch_size``
+        requests at once (the engine admits no more). With ``sample=True`` the draws use
+        ``generator`` (on the draft's device) or the default generator of that device."""
         if dynamic is not None and sample:
             raise ValueError("dynamic trees keep top-k children: they cannot be combined with sample=True")
-        self.draft = Target(draft_model, attention_backend=attention_backend)
+        self.draft = Target(draft_model, attention_backend=attention_backend, linear_backend=linear_backend)
         self.shape = shape or chain(4)
         self.dynamic = self._max_dynamic = dynamic
+        self.has_budget = dynamic is not None
         if dynamic is not None:
             top_k, depth, num_nodes = dynamic
-            if not (top_k >= 1 and depth >= 1 and 1 <= num_nodes <= top_k + (depth - 1) * top_k * top_k):
+            if not (top_k >= 1 and depth >= 1 and 1 <= num_nodes <= dynamic_capacity(top_k, depth)):
                 raise ValueError(
                     f"dynamic=(top_k, depth, num_nodes) needs num_nodes <= top_k + (depth-1) top_k^2, got {dynamic}"
                 )
         self.sampled_children = sample
         self.max_tree_nodes = dynamic[2] + 1 if dynamic is not None else self.shape.num_nodes
         self.vocab_size = self.draft.vocab_size
+        self.max_batch_size = max_batch_size
         if target_model is not None:
             check_same_vocabulary(target_model, draft_model)
         max_len = max_len or min(4096, self.draft.max_context or 4096)  # context tokens per request
-        # The draft scores at most all drafted nodes at once (dynamic: every node of the pool's
-        # ancestor forest), written past the cached context.
+        # The draft scores at most all drafted nodes at once (dynamic: every frontier node of
+        # every level), written past the cached context.
         self.cache = self.draft.new_cache(max_batch_size, max_len + self._max_forest())
         self.generator = generator
         self._slot: dict[int, int] = {}  # request id -> draft cache slot
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
-        """Dynamic trees only: at most ``num_nodes`` nodes, ``depth`` deep (never deeper than
-        ``num_nodes``), from the next step on (clamped to the sizes given at construction)."""
+        """Dynamic trees only: at most ``num_nodes`` nodes, ``depth`` deep, from the next step on
+        (within the sizes given at construction; see :func:`treespec.tree.fit_dynamic_budget`)."""
         if self._max_dynamic is None:
-            raise ValueError("set_budget needs a dynamic tree (DraftModelProposer(dynamic=...))")
+            raise TypeError("set_budget needs a dynamic tree (DraftModelProposer(dynamic=...))")
         top_k, max_depth, max_nodes = self._max_dynamic
-        nodes = max(1, min(num_nodes, max_nodes))
-        depth = max(1, min(depth, max_depth, nodes))  # n nodes reach depth n at most: no idle levels
-        while depth < max_depth and top_k + (depth - 1) * top_k * top_k < nodes:
-            depth += 1
-        self.dynamic = (top_k, depth, min(nodes, top_k + (depth - 1) * top_k * top_k))
+        depth, nodes = fit_dynamic_budget(top_k, max_depth, max_nodes, num_nodes, depth)
+        self.dynamic = (top_k, depth, nodes)
 
     def _max_forest(self) -> int:
         if self.dynamic is None:
             return self.shape.num_nodes
         top_k, depth, _ = self.dynamic
-        return 1 + top_k + (depth - 1) * top_k * top_k
+        return depth * top_k
 
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
         if self.dynamic is not None:
             return self._propose_dynamic(requests)
         root_logits = self._catch_up(requests)  # [B, V]
-        shapes = [_truncate(self.shape, max(0, r.max_new - 1)) for r in requests]
+        shapes = [self.shape.cut(max(0, r.max_new - 1)) for r in requests]
         tokens = [[r.tokens[-1]] for r in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]  # per node: the dist. its children came from
         level_logits = root_logits[:, None]  # [B, nodes at the current depth, V]
@@ -116,62 +128,44 @@ class DraftModelProposer:
         return self._tree(requests, tokens, shapes, probs)
 
     def _propose_dynamic(self, requests: list[ProposalRequest]) -> TokenTree:
-        """EAGLE-2 growth driven by the draft: ``expand`` scores the frontier's ancestor forest."""
+        """EAGLE-2 growth driven by the draft: ``expand`` scores every frontier node so far as a
+        forest under the cached root and returns the newest level's log-probs."""
         top_k, depth, num_nodes = self.dynamic
         depth = max(1, min(depth, min(r.max_new for r in requests) - 1))
-        num_nodes = min(num_nodes, top_k + (depth - 1) * top_k * top_k)
+        num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
         root_logprobs = torch.log_softmax(self._catch_up(requests).float(), -1)  # [B, V]
-        roots = torch.tensor([r.tokens[-1] for r in requests])
-        # The drafted pool per request, in the builder's id order: id 0 the root, then children.
-        pool_tokens = [
-            [r.tokens[-1]] + root_logprobs[b].topk(top_k).indices.tolist() for b, r in enumerate(requests)
-        ]
-        pool_parents = [[-1] + [0] * top_k for _ in requests]
+        roots = torch.tensor([r.tokens[-1] for r in requests], device=root_logprobs.device)
+        levels: list[tuple[torch.Tensor, torch.Tensor]] = []  # per expansion: frontier tokens, parent slots
 
-        def expand(step: int, frontier_tokens: torch.Tensor, frontier_ids: torch.Tensor) -> torch.Tensor:
-            logits = self._score_forest(requests, pool_tokens, pool_parents, frontier_ids.tolist())
-            logprobs = torch.log_softmax(logits.float(), -1)  # [B, K, V]
-            children = logprobs.topk(top_k, dim=-1).indices.tolist()  # what the builder will pick
-            for b in range(len(requests)):
-                for i, node in enumerate(frontier_ids[b].tolist()):
-                    pool_tokens[b] += children[b][i]
-                    pool_parents[b] += [node] * top_k
-            return logprobs
+        def expand(step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+            levels.append((frontier_tokens, parent_slots))
+            logits = self._score_levels(requests, levels)  # [B, K, V]
+            return torch.log_softmax(logits.float(), -1)
 
         return build_dynamic_tree(roots, root_logprobs, expand, top_k=top_k, depth=depth, num_nodes=num_nodes)
 
-    def _score_forest(self, requests, pool_tokens, pool_parents, frontier_ids) -> torch.Tensor:
-        """Draft logits at each frontier node [B, K, V]: its ancestors (below the cached root)
-        and itself go through the draft as a forest, in id order (parents before children)."""
-        forests, parents, depths, cu = [], [], [], [0]
-        for b in range(len(requests)):
-            keep: set[int] = set()
-            for node in frontier_ids[b]:
-                while node > 0 and node not in keep:
-                    keep.add(node)
-                    node = pool_parents[b][node]
-            order = sorted(keep)
-            position = {node: i for i, node in enumerate(order)}
-            forests.append(order)
-            parents.append([position.get(pool_parents[b][n], -1) for n in order])
-            depth_of: dict[int, int] = {}
-            for n in order:
-                depth_of[n] = 0 if pool_parents[b][n] == 0 else depth_of[pool_parents[b][n]] + 1
-            depths.append([depth_of[n] for n in order])
-            cu.append(cu[-1] + len(order))
-        width = max(1, -(-max(len(f) for f in forests) // 32))
-        slots = [self._slot[r.request_id] for r in requests]
+    def _score_levels(self, requests, levels) -> torch.Tensor:
+        """Draft logits at the newest frontier [B, K, V]: every frontier node so far goes
+        through the draft as a forest under the cached root, level by level (node l * K + i is
+        slot i of level l, its parent slot ``parent_slots[i]`` of level l - 1; level 0's parent
+        is the root, which is cached)."""
+        k = levels[0][0].shape[1]
+        device = levels[0][0].device
+        tokens = torch.cat([level_tokens for level_tokens, _ in levels], dim=1)  # [B, L * K]
+        parent_rows = [
+            torch.where(slots >= 0, (level - 1) * k + slots, NO_PARENT)
+            for level, (_, slots) in enumerate(levels)
+        ]
+        parents = torch.cat(parent_rows, dim=1).tolist()  # host sync: the mask is built on the host
+        batch, num_run = tokens.shape
+        slots = torch.tensor([self._slot[r.request_id] for r in requests], device=device)
         out = self.draft.forward(
-            torch.tensor([pool_tokens[b][n] for b, f in enumerate(forests) for n in f], dtype=torch.long),
-            self.cache, torch.tensor(cu), torch.tensor(slots),
-            tree_mask=torch.cat([_forest_mask(p, width) for p in parents]),
-            depth=torch.tensor([d for ds in depths for d in ds], dtype=torch.long), return_hidden=False,
+            tokens.flatten(), self.cache, torch.arange(batch + 1, device=device) * num_run, slots,
+            tree_mask=torch.cat([pack_ancestor_mask(p, forest=True) for p in parents]).to(device),
+            depth=(torch.arange(num_run, device=device) // k).repeat(batch), return_hidden=False,
+            logit_rows=(torch.arange(batch, device=device)[:, None] * num_run + num_run - k + torch.arange(k, device=device)).flatten(),
         )  # fmt: skip
-        rows = [[cu[b] + forests[b].index(node) for node in frontier_ids[b]] for b in range(len(requests))]
-        return out.logits[torch.tensor(rows)]  # [B, K, V]
-
-    def observe(self, request_id: int, committed: list[int]) -> None:
-        """Nothing to do: the next catch-up feeds the committed tokens."""
+        return out.logits.view(batch, k, -1)
 
     def release(self, request_id: int) -> None:
         slot = self._slot.pop(request_id, None)
@@ -188,30 +182,31 @@ class DraftModelProposer:
                 self._slot[request.request_id] = self.cache.allocate()
             cached = self.cache.lengths[self._slot[request.request_id]]
             chunks.append(request.tokens[cached:])
-        cu = torch.tensor([0] + [len(c) for c in chunks]).cumsum(0)
+        device = self.draft.device
+        cu = torch.tensor([0] + [len(c) for c in chunks], device=device).cumsum(0)
         slots = [self._slot[r.request_id] for r in requests]
         out = self.draft.forward(
-            torch.tensor([t for c in chunks for t in c]), self.cache, cu, torch.tensor(slots),
-            logit_rows=cu[1:] - 1, return_hidden=False,
+            torch.tensor([t for c in chunks for t in c], device=device), self.cache, cu,
+            torch.tensor(slots, device=device), logit_rows=cu[1:] - 1, return_hidden=False,
         )  # fmt: skip
         self.cache.commit(slots, [range(len(c)) for c in chunks])
         return out.logits
 
     def _score_level(self, requests, tokens, shapes, depth) -> list[torch.Tensor]:
         """Run every drafted node so far (a forest under the cached root); logits of the deepest level."""
+        device = self.draft.device
         forests = [tokens[b][1:] for b in range(len(requests))]
         parents = [[p - 1 for p in shapes[b].parents[1 : len(tokens[b])]] for b in range(len(requests))]
         depths = [[d - 1 for d in shapes[b].depth[1 : len(tokens[b])]] for b in range(len(requests))]
         sizes = [len(f) for f in forests]
-        cu = torch.tensor([0] + sizes).cumsum(0)
-        width = max(1, -(-max(sizes) // 32))
-        mask = torch.cat(
-            [_forest_mask(p, width) for p in parents if p] or [torch.zeros(0, width, dtype=torch.int32)]
-        )
+        cu = torch.tensor([0] + sizes, device=device).cumsum(0)
+        width = max(1, -(-max(sizes) // BITS_PER_WORD))
+        mask = torch.cat([pack_ancestor_mask(p, forest=True, num_words=width) for p in parents if p])
         slots = [self._slot[r.request_id] for r in requests]
         out = self.draft.forward(
-            torch.tensor([t for f in forests for t in f], dtype=torch.long), self.cache, cu, torch.tensor(slots),
-            tree_mask=mask, depth=torch.tensor([d for ds in depths for d in ds], dtype=torch.long), return_hidden=False,
+            torch.tensor([t for f in forests for t in f], device=device), self.cache, cu,
+            torch.tensor(slots, device=device), tree_mask=mask.to(device),
+            depth=torch.tensor([d for ds in depths for d in ds], device=device), return_hidden=False,
         )  # fmt: skip
         starts = cu[:-1].tolist()
         return [
@@ -230,9 +225,8 @@ class DraftModelProposer:
             return dist.new_zeros(0, dtype=torch.long)
         if self.sampled_children and not request.sampling.greedy:
             # Gumbel top-k: `count` draws without replacement, in draw order.
-            gumbel = -torch.log(
-                -torch.log(torch.rand(dist.shape, generator=self.generator).clamp(1e-20, 1.0))
-            )
+            uniform = torch.rand(dist.shape, generator=self.generator, device=dist.device)
+            gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0)))
             scores = torch.where(dist > 0, dist.log() + gumbel, float("-inf"))
             return scores.topk(count).indices
         return dist.topk(count).indices
@@ -245,24 +239,9 @@ class DraftModelProposer:
             # distribution in that order; the deepest level's rows are unused.
             rows = []
             for b in range(len(requests)):
-                rows += probs[b] + [torch.zeros(self.vocab_size)] * (len(tokens[b]) - len(probs[b]))
+                rows += probs[b] + [probs[b][0].new_zeros(self.vocab_size)] * (len(tokens[b]) - len(probs[b]))
             draft_probs = torch.stack(rows)
-        return TokenTree.from_lists(tokens, parents, draft_probs=draft_probs)
-
-
-def _forest_mask(parents: list[int], width: int) -> torch.Tensor:
-    """Ancestor-and-self bits of a forest (parents -1 at its roots, before their children)."""
-    bits: list[int] = []
-    for node, parent in enumerate(parents):
-        bits.append((bits[parent] if parent >= 0 else 0) | (1 << node))
-    return words_to_tensor(bits, width)
-
-
-def _truncate(shape: TreeShape, max_depth: int) -> TreeShape:
-    """The shape cut at ``max_depth`` (a request close to max_new_tokens needs no deeper guesses)."""
-    if max_depth >= shape.max_depth:
-        return shape
-    return TreeShape.from_paths([p for p in shape.paths if len(p) <= max_depth])
+        return TokenTree.from_lists(tokens, parents, draft_probs=draft_probs).to(self.draft.device)
 
 
 def check_same_vocabulary(target_model: PreTrainedModel, draft_model: PreTrainedModel) -> None:

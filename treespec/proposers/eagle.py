@@ -29,14 +29,21 @@ from treespec import linear
 from treespec.cache import KVCache
 from treespec.heads.eagle import EagleHead, default_feature_layers
 from treespec.kernels.tree_attention import resolve_backend
-from treespec.proposers.base import ProposalRequest
+from treespec.proposers.base import ProposalRequest, Proposer, StepResult
 from treespec.target import StepMetadata
-from treespec.tree import BITS_PER_WORD, TokenTree, build_dynamic_tree, words_to_tensor
+from treespec.tree import (
+    NO_PARENT,
+    TokenTree,
+    build_dynamic_tree,
+    dynamic_capacity,
+    fit_dynamic_budget,
+    pack_ancestor_mask,
+)
 
 
-class EagleProposer:
-    sampled_children = False
+class EagleProposer(Proposer):
     needs_hidden = True
+    has_budget = True
 
     def __init__(
         self,
@@ -49,9 +56,13 @@ class EagleProposer:
         max_batch_size: int = 8,
         max_len: int | None = None,
         attention_backend: str = "auto",
+        linear_backend: str = "auto",
     ) -> None:
         """``total_tokens`` drafted nodes at most (the root not counted), ``depth`` levels, each
-        expansion keeping the ``top_k`` best children of the ``top_k`` best frontier nodes."""
+        expansion keeping the ``top_k`` best children of the ``top_k`` best frontier nodes.
+        ``max_batch_size`` requests at once (the engine admits no more). ``linear_backend`` as
+        for the Target (:mod:`treespec.linear`): the head and the target's LM head it reads out
+        through run as views with that backend; the modules passed in are left untouched."""
         config = head.config
         target_config = target_model.config.get_text_config()
         target_vocab = target_model.get_output_embeddings().weight.shape[0]
@@ -69,23 +80,24 @@ class EagleProposer:
             raise ValueError(
                 f"feature_layers {layers} must lie in [0, {num_layers - 1}] (the target has {num_layers} layers)"
             )
-        capacity = top_k + (depth - 1) * top_k * top_k if top_k >= 1 and depth >= 1 else 0
+        capacity = dynamic_capacity(top_k, depth) if top_k >= 1 and depth >= 1 else 0
         if not (1 <= top_k <= config.readout_size and depth >= 1 and 1 <= total_tokens <= capacity):
             raise ValueError(
                 f"need 1 <= top_k <= the head's read-out vocabulary ({config.readout_size}), depth >= 1 and "
                 f"1 <= total_tokens <= top_k + (depth - 1) * top_k^2; got top_k={top_k}, depth={depth}, "
                 f"total_tokens={total_tokens}"
             )
-        self.head = head.eval()
-        linear.install(self.head)  # used inside an engine step whose target runs fp32-kmajor
+        weight = head.fc.weight
+        backend = linear.resolve_linear_backend(linear_backend, weight.device)
+        self.head = linear.module_view(head, backend).eval()
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self._max = (depth, total_tokens)  # set_budget never exceeds what the cache was sized for
         self.max_tree_nodes = total_tokens + 1
+        self.max_batch_size = max_batch_size
         self.vocab_size = target_vocab
         self.hidden_layers = layers  # the engine hands these layers' inputs over (EAGLE-3)
         self.embed = target_model.get_input_embeddings()
-        self.lm_head = target_model.get_output_embeddings()
-        weight = self.head.fc.weight
+        self.lm_head = linear.module_view(target_model.get_output_embeddings(), backend)
         self.backend = resolve_backend(attention_backend, weight.device)
         max_len = max_len or min(4096, getattr(target_config, "max_position_embeddings", 4096) or 4096)
         drafted = 1 + (depth - 1) * top_k  # nodes run through the head per step, root pair included
@@ -98,17 +110,9 @@ class EagleProposer:
         self._pending: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # pairs not yet run
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
-        """Draft at most ``num_nodes`` nodes, ``depth`` deep, from the next step on (clamped to
-        the sizes given at construction and to ``num_nodes``, since every level drafted costs a
-        pass of the head; deepened when ``depth`` cannot hold ``num_nodes``)."""
-        max_depth, max_nodes = self._max
-        k = self.top_k
-        self.total_tokens = max(1, min(num_nodes, max_nodes))
-        depth = max(1, min(depth, max_depth, self.total_tokens))  # n nodes reach depth n at most
-        while depth < max_depth and k + (depth - 1) * k * k < self.total_tokens:
-            depth += 1
-        self.depth = depth
-        self.total_tokens = min(self.total_tokens, k + (depth - 1) * k * k)
+        """Draft at most ``num_nodes`` nodes, ``depth`` deep, from the next step on (within the
+        sizes given at construction; see :func:`treespec.tree.fit_dynamic_budget`)."""
+        self.depth, self.total_tokens = fit_dynamic_budget(self.top_k, *self._max, num_nodes, depth)
 
     # ---------------------------------------------------------------------------------------
     # What the engine tells the head
@@ -119,11 +123,15 @@ class EagleProposer:
         self._pending.setdefault(request_id, []).append((list(tokens), hidden))
         self._catch_up([request_id])
 
-    def observe(self, request_id: int, committed: list[int], hidden: torch.Tensor | None = None) -> None:
-        if hidden is None:
-            raise ValueError("EagleProposer needs the target's hidden states (needs_hidden = True)")
-        if committed:
-            self._pending.setdefault(request_id, []).append((list(committed), hidden))
+    def observe(self, result: StepResult) -> None:
+        """Queue each request's committed pairs (target feature, token) for the next catch-up."""
+        for request in result.requests:
+            if request.hidden is None:
+                raise ValueError("EagleProposer needs the target's hidden states (needs_hidden = True)")
+            if request.committed:
+                self._pending.setdefault(request.request_id, []).append(
+                    (list(request.committed), request.hidden)
+                )
 
     def release(self, request_id: int) -> None:
         self._pending.pop(request_id, None)
@@ -161,29 +169,27 @@ class EagleProposer:
             return TokenTree.from_lists([[r.tokens[-1]] for r in requests])
         ids = [r.request_id for r in requests]
         k = self.top_k
-        num_nodes = min(self.total_tokens, k + (depth - 1) * k * k)
+        num_nodes = min(self.total_tokens, dynamic_capacity(k, depth))
         root_logprobs = self.head.log_probs(root_features, self.lm_head)  # [B, V]
-        slots = torch.tensor([self._slot[i] for i in ids])
-        drafted_parents: list[list[int]] = [[] for _ in ids]  # per run node: its parent run node (-1: root)
+        device = root_features.device
+        slots = torch.tensor([self._slot[i] for i in ids], device=device)
+        drafted_parents: list[list[int]] = [[] for _ in ids]  # per request, per node run: parent's run index
         outputs: list[torch.Tensor] = []  # per expansion: the head's outputs [B, K, H]
 
-        def expand(step: int, frontier_tokens: torch.Tensor, frontier_ids: torch.Tensor) -> torch.Tensor:
+        def expand(step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
             if step == 1:
-                parent_slots = None
                 features = root_features[:, None].expand(-1, k, -1)
-            else:  # frontier id -> slot of its parent in the previous expansion
-                parent_slots = (frontier_ids - 1 - k - (step - 2) * k * k) // k  # [B, K]
+            else:  # each node drafts from its parent's output in the previous expansion
                 features = outputs[-1].gather(
                     1, parent_slots[..., None].expand(-1, -1, outputs[-1].shape[-1])
                 )
-            for b in range(len(ids)):
-                base = (step - 2) * k
-                drafted_parents[b] += [-1] * k if parent_slots is None else (base + parent_slots[b]).tolist()
-            h = self._run_level(slots, frontier_tokens, features, drafted_parents, step)
+            # Frontier nodes keep the same slot layout in every request, but their parents differ.
+            run_parents = torch.where(parent_slots >= 0, (step - 2) * k + parent_slots, NO_PARENT)  # [B, K]
+            h = self._run_level(slots, frontier_tokens, features, drafted_parents, run_parents, step)
             outputs.append(h)
             return self.head.log_probs(h.flatten(0, 1), self.lm_head).view(len(ids), k, -1)
 
-        roots = torch.tensor([r.tokens[-1] for r in requests])
+        roots = torch.tensor([r.tokens[-1] for r in requests], device=device)
         return build_dynamic_tree(roots, root_logprobs, expand, top_k=k, depth=depth, num_nodes=num_nodes)
 
     def _run_level(
@@ -192,29 +198,35 @@ class EagleProposer:
         tokens: torch.Tensor,
         features: torch.Tensor,
         drafted_parents: list[list[int]],
+        run_parents: torch.Tensor,
         step: int,
     ) -> torch.Tensor:
         """Run one expansion's frontier [B, K] through the head, on top of the committed context
-        and the nodes drafted before it. Returns the head's outputs [B, K, H]."""
+        and the frontier nodes of the earlier expansions (their K/V already written past it).
+
+        ``drafted_parents[b]`` lists, for every node run so far for request b, its parent's run
+        index (-1: the root, i.e. the context); ``run_parents [B, K]`` extends it by this level.
+        Run node j sits at depth j // K + 1: sequence position L + j // K. Returns the head's
+        outputs [B, K, H]."""
         batch, k = tokens.shape
+        for b, parents in enumerate(run_parents.tolist()):  # host sync: the mask is built on the host
+            drafted_parents[b].extend(parents)
+        device = tokens.device
         num_drafted = step * k  # all nodes run this step so far, this level's the last k
-        masks = []
-        for parents in drafted_parents:
-            rows: list[int] = []
-            for node, parent in enumerate(parents):
-                rows.append((1 << node) | (rows[parent] if parent >= 0 else 0))
-            masks.append(words_to_tensor(rows, -(-num_drafted // BITS_PER_WORD)))
-        depth = torch.arange(num_drafted) // k  # run node j sits at depth j // k + 1: position L + j // k
+        mask = torch.cat([pack_ancestor_mask(parents, forest=True) for parents in drafted_parents])
+        depth = torch.arange(num_drafted, device=device) // k
         meta = StepMetadata.build(
             self.cache,
-            torch.arange(batch + 1, dtype=torch.int32) * num_drafted,
+            torch.arange(batch + 1, dtype=torch.int32, device=device) * num_drafted,
             slots,
-            torch.cat(masks),
+            mask.to(device),
             depth.repeat(batch),
             backend=self.backend,
         )
         new_rows = (
-            torch.arange(batch)[:, None] * num_drafted + (num_drafted - k) + torch.arange(k)
+            torch.arange(batch, device=device)[:, None] * num_drafted
+            + (num_drafted - k)
+            + torch.arange(k, device=device)
         ).flatten()
 
         def attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -246,8 +258,9 @@ class EagleProposer:
             tokens += [t for chunk, _ in pairs for t in chunk]
             features += [hidden for _, hidden in pairs]
             counts.append(sum(len(chunk) for chunk, _ in pairs))
-        slots = torch.tensor([self._slot[rid] for rid in request_ids])
-        cu_q = torch.tensor([0, *counts]).cumsum(0).to(torch.int32)
+        device = self.head.fc.weight.device
+        slots = torch.tensor([self._slot[rid] for rid in request_ids], device=device)
+        cu_q = torch.tensor([0, *counts], device=device).cumsum(0).to(torch.int32)
         meta = StepMetadata.build(self.cache, cu_q, slots, backend=self.backend)
 
         def attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -257,7 +270,7 @@ class EagleProposer:
         weight = self.head.fc.weight
         fused = self.head.fuse(torch.cat(features).to(weight.dtype))
         h = self.head(
-            self.embed(torch.tensor(tokens, device=weight.device)).to(weight.dtype),
+            self.embed(torch.tensor(tokens, device=device)).to(weight.dtype),
             fused,
             meta.q_positions.long(),
             attention,

@@ -16,12 +16,11 @@ from transformers import PreTrainedModel
 
 from treespec import linear
 from treespec.heads.medusa import MedusaHeads
-from treespec.proposers.base import ProposalRequest
-from treespec.tree import TokenTree, TreeShape, build_dynamic_tree, build_static_tree, chain
+from treespec.proposers.base import ProposalRequest, Proposer, StepResult
+from treespec.tree import TokenTree, TreeShape, build_dynamic_tree, build_static_tree, chain, dynamic_capacity
 
 
-class MedusaProposer:
-    sampled_children = False
+class MedusaProposer(Proposer):
     needs_hidden = True
 
     def __init__(
@@ -31,7 +30,12 @@ class MedusaProposer:
         *,
         tree: TreeShape | None = None,
         dynamic: tuple[int, int] | None = None,
+        linear_backend: str = "auto",
     ) -> None:
+        """A static ``tree`` (default: a chain over all heads), or ``dynamic=(top_k, num_nodes)``
+        for an EAGLE-2 dynamic tree whose size ``set_budget`` can change. ``linear_backend`` as
+        for the Target: the heads and the target's LM head run as views with it (the modules
+        passed in are left untouched)."""
         config = heads.config
         target_hidden = target_model.config.hidden_size
         target_vocab = target_model.get_output_embeddings().weight.shape[0]
@@ -43,8 +47,8 @@ class MedusaProposer:
             raise ValueError(
                 f"Medusa heads have a vocabulary of {config.vocab_size}, the target {target_vocab}"
             )
-        self.heads = heads.eval()
-        linear.install(self.heads)  # used inside an engine step whose target runs fp32-kmajor
+        backend = linear.resolve_linear_backend(linear_backend, next(heads.parameters()).device)
+        self.heads = linear.module_view(heads, backend).eval()
         self.shape = tree or chain(config.num_heads)
         if self.shape.max_depth > config.num_heads:
             raise ValueError(
@@ -53,13 +57,15 @@ class MedusaProposer:
         if dynamic is not None:
             top_k, num_nodes = dynamic
             depth = config.num_heads
-            if tree is not None or not (1 <= top_k and 1 <= num_nodes <= top_k + (depth - 1) * top_k * top_k):
+            if tree is not None or not (1 <= top_k and 1 <= num_nodes <= dynamic_capacity(top_k, depth)):
                 raise ValueError(
                     f"dynamic=(top_k, num_nodes) needs 1 <= num_nodes <= top_k + (heads - 1) top_k^2 and no "
                     f"static tree; got {dynamic} with {depth} heads"
                 )
         self.dynamic = self._max_dynamic = dynamic
-        self.lm_head = None if config.own_lm_head else target_model.get_output_embeddings()
+        self.has_budget = dynamic is not None
+        lm_head = target_model.get_output_embeddings()
+        self.lm_head = None if config.own_lm_head else linear.module_view(lm_head, backend)
         self.max_tree_nodes = self.shape.num_nodes if dynamic is None else dynamic[1] + 1
         self.vocab_size = target_vocab
         self._hidden: dict[int, torch.Tensor] = {}  # request id -> [H] hidden state behind its root
@@ -67,16 +73,12 @@ class MedusaProposer:
     @torch.inference_mode()
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
         depth = min(self.shape.max_depth, min(r.max_new for r in requests) - 1)
-        roots = torch.tensor([r.tokens[-1] for r in requests])
+        weight = next(self.heads.parameters())
+        roots = torch.tensor([r.tokens[-1] for r in requests], device=weight.device)
         if depth < 1:
             return TokenTree.from_lists([[r.tokens[-1]] for r in requests])
-        shape = (
-            self.shape
-            if depth == self.shape.max_depth
-            else TreeShape.from_paths([p for p in self.shape.paths if len(p) <= depth])
-        )
+        shape = self.shape.cut(depth)
         hidden = torch.stack([self._hidden[r.request_id] for r in requests])  # [B, H]
-        weight = next(self.heads.parameters())
         logits = self.heads(hidden.to(weight.dtype), self.lm_head)  # [B, K, V]
         if self.dynamic is not None:
             return self._dynamic(roots, logits[:, :depth], depth)
@@ -87,7 +89,7 @@ class MedusaProposer:
         """Dynamic trees only: at most ``num_nodes`` drafted nodes from the next step on (at most
         the number given at construction); the depth is the number of heads."""
         if self._max_dynamic is None:
-            raise ValueError("set_budget needs a dynamic tree (MedusaProposer(dynamic=...))")
+            raise TypeError("set_budget needs a dynamic tree (MedusaProposer(dynamic=...))")
         top_k, max_nodes = self._max_dynamic
         self.dynamic = (top_k, max(1, min(num_nodes, max_nodes)))
 
@@ -95,20 +97,19 @@ class MedusaProposer:
         top_k, num_nodes = self.dynamic
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, depth, V]
 
-        def expand(step: int, frontier_tokens: torch.Tensor, frontier_ids: torch.Tensor) -> torch.Tensor:
+        def expand(step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
             return logprobs[:, step, None].expand(-1, top_k, -1)  # head `step` under every frontier node
 
-        num_nodes = min(num_nodes, top_k + (depth - 1) * top_k * top_k)
+        num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
         return build_dynamic_tree(
             roots, logprobs[:, 0], expand, top_k=top_k, depth=depth, num_nodes=num_nodes
         )
 
-    def observe(self, request_id: int, committed: list[int], hidden: torch.Tensor | None = None) -> None:
-        if hidden is not None and len(hidden):
-            self._hidden[request_id] = hidden[-1]
-
-    def observe_prefill(self, request_id: int, tokens: list[int], hidden: torch.Tensor) -> None:
-        """Medusa needs only the state behind the newest token, which ``observe`` delivers."""
+    def observe(self, result: StepResult) -> None:
+        """Keep, per request, the target's state behind its newest committed token."""
+        for request in result.requests:
+            if request.hidden is not None and len(request.hidden):
+                self._hidden[request.request_id] = request.hidden[-1]
 
     def release(self, request_id: int) -> None:
         self._hidden.pop(request_id, None)

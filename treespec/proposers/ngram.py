@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from treespec.proposers.base import ProposalRequest
+from treespec.proposers.base import ProposalRequest, Proposer, StepResult
 from treespec.tree import NO_PARENT, TokenTree
 
 
@@ -96,7 +96,20 @@ class _NgramIndex:
     ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # n-gram -> end positions, ascending
 
 
-class NgramProposer:
+@dataclass
+class _Acceptance:
+    """One request's drafting record for the adaptive depth: accepted drafted tokens, and steps
+    whose walk stopped at a rejected draft (both slowly forgotten while it does not draft)."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    def rate(self) -> float:
+        """Per-token acceptance estimate, Laplace's rule: 1/2 before any evidence."""
+        return (self.accepted + 1) / (self.accepted + self.rejected + 2)
+
+
+class NgramProposer(Proposer):
     """Prompt-lookup drafting, extended to trees. One n-gram index per request id.
 
     The index maps every n-gram (min_ngram <= n <= max_ngram) of the context to the positions
@@ -104,8 +117,6 @@ class NgramProposer:
     request's context extends what was indexed (rebuilding it if not), so results never depend
     on ``observe`` having been called.
     """
-
-    sampled_children = False  # children are chosen without coins: deterministic-children rule
 
     def __init__(
         self,
@@ -142,7 +153,7 @@ class NgramProposer:
         if not isinstance(token_cost, (int, float)) or not 0.0 <= token_cost:
             raise ValueError(f"token_cost must be a number >= 0, got {token_cost!r}")
         self.token_cost = float(token_cost)
-        self._acceptance: dict[int, list[int]] = {}  # request id -> [accepted, rejected, last depth]
+        self._acceptance: dict[int, _Acceptance] = {}  # request id -> its record (token_cost > 0 only)
         # A trie has at most one node per continuation token; a chain is one continuation.
         drafted_bound = max_depth * (max_matches if tree else 1)
         self.max_tree_nodes = 1 + min(
@@ -166,17 +177,18 @@ class NgramProposer:
             parents.append(request_parents)
         return TokenTree.from_lists(tokens, parents)
 
-    def observe(self, request_id: int, committed: list[int]) -> None:
-        """Extend the request's index with its committed tokens (ignored for an unknown id)."""
-        index = self._indexes.get(request_id)
-        if index is not None:
-            self._extend(index, committed)
-        stats = self._acceptance.get(request_id)
-        if stats is not None and stats[2] > 0:  # the last proposal drafted something
-            accepted = min(len(committed) - 1, stats[2])
-            stats[0] += accepted
-            stats[1] += accepted < stats[2]  # the walk stopped at a rejection
-            stats[2] = 0
+    def observe(self, result: StepResult) -> None:
+        """Extend each request's index with its committed tokens (ignored for an unknown id), and
+        its acceptance record with what its tree won: the accepted nodes, and whether the walk
+        stopped at a node whose drafted children were all rejected."""
+        for request in result.requests:
+            index = self._indexes.get(request.request_id)
+            if index is not None:
+                self._extend(index, request.committed)
+            record = self._acceptance.get(request.request_id)
+            if record is not None and len(request.tree_tokens) > 1:  # the step drafted something
+                record.accepted += request.num_accepted
+                record.rejected += request.rejected_at_last()
 
     def release(self, request_id: int) -> None:
         """Drop the request's index and acceptance record."""
@@ -187,16 +199,16 @@ class NgramProposer:
         """The depth worth drafting given the request's acceptance so far and token_cost."""
         if self.token_cost == 0.0:
             return depth
-        stats = self._acceptance.setdefault(request_id, [0.0, 0.0, 0])
-        rate = (stats[0] + 1) / (stats[0] + stats[1] + 2)  # Laplace: 1/2 before any evidence
+        record = self._acceptance.setdefault(request_id, _Acceptance())
+        rate = record.rate()
 
         def value(d: int) -> float:
             return sum(rate**i for i in range(d + 1)) / (1 + self.token_cost * d)
 
         best = max(range(depth + 1), key=lambda d: (value(d), -d))
         if best == 0:  # not drafting gives no evidence: forget slowly, so that it probes again
-            stats[0] *= 0.9
-            stats[1] *= 0.9
+            record.accepted *= 0.9
+            record.rejected *= 0.9
         return best
 
     def _propose_one(self, request: ProposalRequest) -> tuple[list[int], list[int]]:
@@ -211,10 +223,7 @@ class NgramProposer:
         num_matches = self.max_matches if self.tree else 1
         ends = self._match_ends(index, num_matches)
         continuations = [context[p + 1 : p + 1 + depth] for p in ends]
-        tokens, parents = build_trie(context[-1], continuations, self.max_nodes)
-        if self.token_cost and len(tokens) > 1:
-            self._acceptance[request.request_id][2] = max(len(c) for c in continuations)
-        return tokens, parents
+        return build_trie(context[-1], continuations, self.max_nodes)
 
     def _index_for(self, request: ProposalRequest) -> _NgramIndex:
         """The request's index, brought up to ``request.tokens`` (built or rebuilt as needed)."""

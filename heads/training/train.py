@@ -1,4 +1,4 @@
-"""Training EAGLE heads, Medusa heads and draft models on self-distilled data (heads/data.py).
+"""Training EAGLE heads, Medusa heads and draft models on self-distilled data (``data``).
 
 Losses (per position t of a sequence x_0 .. x_{n-1} with the target's final hidden states h and
 its distribution p_t = softmax(lm_head(h_t)) over x_{t+1}):
@@ -37,10 +37,12 @@ from torch import nn
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from treespec.heads.data import HeadDataset, Sequence
+from treespec.api import generate
 from treespec.heads.draft import make_draft, save_draft
 from treespec.heads.eagle import EagleConfig, EagleHead
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
+from treespec.heads.training.data import HeadDataset, Sequence
+from treespec.proposers import DraftModelProposer, EagleProposer, MedusaProposer
 
 KINDS = ("eagle", "eagle3", "medusa", "draft")
 CHECKPOINT = "checkpoint.pt"
@@ -354,8 +356,6 @@ def save_module(config: TrainConfig, module: nn.Module, folder: Path) -> Path:
 
 def proposer_for(config: TrainConfig, module: nn.Module, target: PreTrainedModel):
     """The proposer tau is measured with: a dynamic tree of at most 32 nodes, root included."""
-    from treespec.proposers import DraftModelProposer, EagleProposer, MedusaProposer
-
     if config.kind in ("eagle", "eagle3"):
         return EagleProposer(module, target, depth=5, top_k=8, total_tokens=31)
     if config.kind == "medusa":
@@ -368,12 +368,10 @@ def evaluate_tau(
     config: TrainConfig, module: nn.Module, target: PreTrainedModel, prompts: list[list[int]]
 ) -> float:
     """Mean tokens per target step through the real engine, T=0, batch 1."""
-    import treespec
-
     module.eval()
     lengths = []
     for prompt in prompts[: config.eval_prompts]:
-        out = treespec.generate(target, [prompt], max_new_tokens=config.eval_new_tokens,
+        out = generate(target, [prompt], max_new_tokens=config.eval_new_tokens,
                                 proposer=proposer_for(config, module, target))  # fmt: skip
         lengths += out.stats.accepted_lengths[0]
     module.train()

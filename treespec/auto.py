@@ -13,21 +13,21 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
+from treespec import heads
+from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
 from treespec.proposers.base import Proposer
+from treespec.proposers.eagle import EagleProposer
+from treespec.proposers.ngram import NgramProposer
+from treespec.target import Target
 
-_COSTS: dict[tuple[int, int], object] = {}  # (id(model), batch size) -> CostModel
+_COSTS: dict[tuple[int, int], CostModel] = {}  # (id(model), batch size) -> measured forward costs
 
 
 def model_name(model: PreTrainedModel) -> str:
     return Path(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")).name
 
 
-def auto_proposer(model: PreTrainedModel, *, batch_size: int = 1, target=None) -> Proposer:
-    from treespec import heads
-    from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
-    from treespec.proposers import EagleProposer, NgramProposer
-    from treespec.target import Target
-
+def auto_proposer(model: PreTrainedModel, *, batch_size: int = 1, target: Target | None = None) -> Proposer:
     shipped = heads.shipped_for(model_name(model))
     if "eagle" not in shipped:
         return NgramProposer(max_depth=8, max_nodes=32, token_cost=0.3)

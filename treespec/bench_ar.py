@@ -1,5 +1,6 @@
-"""Autoregressive engine benchmark (``scripts/bench_ar.py``): treespec without a proposer against
-HF ``generate`` and a bare HF loop, over dtypes and batch sizes, in one process.
+"""The autoregressive engine benchmark (``scripts/bench_ar.py``): treespec without a proposer
+against HF ``generate`` and a bare HF loop, over dtypes and batch sizes, in one process. (The
+``treespec bench`` command, every speculative method against HF, is ``treespec.benchmark``.)
 
 Methods (all greedy, all producing exactly ``max_new_tokens`` tokens per prompt, EOS ignored):
     hf_generate   HF ``model.generate`` (SDPA attention, its own dynamic cache; left padding)
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-import treespec
+from treespec.api import generate
 from treespec.benchmark import DTYPES, left_pad
 from treespec.models import load
 from treespec.prompts import DEFAULT_PROMPTS, encode_prompts
@@ -31,7 +32,7 @@ from treespec.target import Target
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class ARBenchConfig:
     model: str = "smollm2-135m-instruct"
     dtypes: tuple[str, ...] = ("bf16", "fp32")
     batch_sizes: tuple[int, ...] = (1, 4)
@@ -89,7 +90,7 @@ def run_hf_loop(model, prompts: list[list[int]], new: int, pad_id: int) -> list[
 
 
 def run_treespec(target: Target, prompts: list[list[int]], new: int, pad_id: int) -> list[list[int]]:
-    return treespec.generate(target, prompts, max_new_tokens=new, eos_token_id=[]).sequences
+    return generate(target, prompts, max_new_tokens=new, eos_token_id=[]).sequences
 
 
 def _time(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
@@ -98,7 +99,7 @@ def _time(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, result
 
 
-def bench_case(name: str, dtype: str, batch: int, config: BenchConfig, prompts: list[list[int]]) -> dict:
+def bench_case(name: str, dtype: str, batch: int, config: ARBenchConfig, prompts: list[list[int]]) -> dict:
     """All methods on one (dtype, batch) case; returns medians, ratios and exactness."""
     hf_model, tokenizer = load(name, dtype=DTYPES[dtype])
     ts_model, _ = load(name, dtype=DTYPES[dtype])  # a separate copy: the baselines keep stock SDPA
@@ -138,7 +139,9 @@ def bench_case(name: str, dtype: str, batch: int, config: BenchConfig, prompts: 
     return result
 
 
-def run(config: BenchConfig, out_path: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
+def run_ar_bench(
+    config: ARBenchConfig, out_path: str | Path | None = None, log: Callable[[str], None] = print
+) -> dict:
     """Run every case, print a table of medians and ratios, write JSON if asked."""
     if config.threads:
         torch.set_num_threads(config.threads)

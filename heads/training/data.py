@@ -28,6 +28,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from treespec.api import generate
+
 MANIFEST = "manifest.json"
 FORMAT = 1
 
@@ -66,8 +68,6 @@ def write_dataset(
     progress: bool = True,
 ) -> dict:
     """Generate (or finish generating) the dataset in ``folder``; returns the manifest."""
-    import treespec  # late: treespec.heads is imported by the engine's proposers
-
     if not prompts:
         raise ValueError("no prompts to answer: the prompt list is empty")
     if any(len(p) == 0 for p in prompts):
@@ -93,7 +93,7 @@ def write_dataset(
         records: list[Sequence] = []
         for first in range(0, len(ids), batch_size):
             chunk = ids[first : first + batch_size]
-            out = treespec.generate(
+            out = generate(
                 model, [prompts[i] for i in chunk], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id
             )
             for i, answer in zip(chunk, out.sequences, strict=True):

@@ -16,6 +16,8 @@ import itertools
 import random
 from pathlib import Path
 
+from treespec.prompts import DEFAULT_PROMPTS, read_prompt_records
+
 DEV_PROMPTS = [
     "Why do cats purr, and what might it mean when they do?",
     "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
@@ -93,8 +95,6 @@ def train_prompts(seed: int = 0) -> list[str]:
     prompts += _maths(rng)
     prompts += _pydoc_prompts()
     rng.shuffle(prompts)
-    from treespec.prompts import DEFAULT_PROMPTS
-
     held_out = set(DEV_PROMPTS) | set(DEFAULT_PROMPTS)
     leaked = [p for p in prompts if p in held_out]
     if leaked:  # pragma: no cover - a guard on the constants above
@@ -105,6 +105,4 @@ def train_prompts(seed: int = 0) -> list[str]:
 def read_prompt_file(path: str | Path) -> list[str]:
     """Prompts from a file (``treespec.prompts.read_prompt_records``: JSON lines with
     ``turns[0]``, ``question`` or ``prompt``, or plain text with one prompt per line)."""
-    from treespec.prompts import read_prompt_records
-
     return [text for _, text in read_prompt_records(path)]

@@ -1,0 +1,402 @@
+"""What one speculative step costs: the target's forward for n new tokens, HF's own forward over
+the same tokens, and each proposer's drafting time per tree size.
+
+    python scripts/bench_step.py [--device cuda] [--dtype bf16] [--model smollm2-135m-instruct]
+                                 [--out bench_results/bench_step.json] [--quick]
+
+Batching: size n means n new tokens for *each* of the B requests (B * n rows in one forward), on
+top of ``--context`` (300) cached tokens per request. Three measurements, each a median over
+``--repeats`` timed runs after ``--warmup`` untimed ones (on CUDA the device is synchronised
+before every clock read):
+
+    treespec   ``Target.forward`` over B causal chains of n tokens (the engine's scoring call;
+               the K/V are written past the committed prefix and never committed, so every run
+               sees the same cache)
+    hf         the plain HF model called with its own cache (a ``DynamicCache`` holding the
+               context, passed as ``past_key_values``) on a [B, n] batch; each run gets a fresh copy of the prefilled cache, made
+               outside the timed region, so the cache never grows across runs
+    propose    each proposer (``ngram`` and the heads shipped for the model: ``draft``, ``medusa``,
+               ``eagle``, with the settings of ``treespec bench``) drafting a fixed budget of n
+               nodes per request, timed per call inside a running ``treespec.Engine`` (the
+               proposer's catch-up on the tokens committed since its last call included, as in a
+               real step); the tree size it actually returned is recorded beside the budget
+
+Ratios are against the 1-token (or 1-node) time of the same batch in the same process. The JSON
+(``--out``) holds every row; a PNG of the curves is written next to it when matplotlib is
+installed (the ``plot`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+import treespec
+from treespec.proposers.base import Proposer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROPOSERS = ("ngram", "draft", "medusa", "eagle")
+BATCHING = "per request: n new tokens (or drafted nodes) for each of the B requests, B * n in the step"
+
+
+@dataclass(frozen=True)
+class StepBenchConfig:
+    device: str = "cpu"
+    dtype: str = "bf16"
+    context: int = 300  # cached tokens per request
+    batches: tuple[int, ...] = (1, 4, 8)
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # new tokens per request
+    budgets: tuple[int, ...] = (1, 2, 4, 8, 16, 31)  # drafted nodes per request (31: the proposers' own)
+    proposers: tuple[str, ...] = PROPOSERS
+    repeats: int = 10
+    warmup: int = 3
+    attention_backend: str = "auto"  # the target's (and the draft model's): auto = Triton on CUDA
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available on this machine")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        unknown = [p for p in self.proposers if p not in PROPOSERS]
+        if unknown:
+            raise ValueError(f"unknown proposer(s) {unknown}: choose from {', '.join(PROPOSERS)}")
+        if 1 not in self.sizes or 1 not in self.budgets:
+            raise ValueError("sizes and budgets must include 1: ratios are taken against it")
+        if min(self.context, self.repeats, *self.batches, *self.sizes, *self.budgets) < 1 or self.warmup < 0:
+            raise ValueError("context, repeats, batches, sizes and budgets must be >= 1, warmup >= 0")
+
+
+# A small configuration for tests and smoke runs.
+QUICK = dict(context=64, batches=(1, 2), sizes=(1, 4, 16), budgets=(1, 4), repeats=2, warmup=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(run: Callable, config: StepBenchConfig, setup: Callable | None = None) -> float:
+    """Median milliseconds of ``run(setup())`` over ``config.repeats`` calls after
+    ``config.warmup``; ``setup`` (untimed) gives each call a fresh input."""
+    times = []
+    for i in range(config.warmup + config.repeats):
+        state = setup() if setup is not None else None
+        synchronize(config.device)
+        start = time.perf_counter()
+        run(state)
+        synchronize(config.device)
+        if i >= config.warmup:
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def random_tokens(
+    shape: tuple[int, ...], vocab: int, generator: torch.Generator, device: str
+) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=generator).to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Forward cost: treespec's Target and the plain HF model
+# --------------------------------------------------------------------------------------------
+
+
+def target_forward_ms(target: treespec.Target, batch: int, config: StepBenchConfig) -> dict[int, float]:
+    """Size -> ms of ``Target.forward`` over ``batch`` chains of that many new tokens each."""
+    generator = torch.Generator().manual_seed(config.seed)
+    context, vocab = config.context, target.vocab_size
+    cache = target.new_cache(batch, context + max(config.sizes))
+    slots = torch.tensor([cache.allocate() for _ in range(batch)])
+    prompt = random_tokens((batch * context,), vocab, generator, config.device)  # [B * C]
+    target.forward(prompt, cache, torch.arange(batch + 1) * context, slots, return_hidden=False)
+    for slot in slots.tolist():  # a prefill chain commits all its tokens
+        cache.lengths[slot] = context
+    times = {}
+    for n in config.sizes:
+        tokens = random_tokens((batch * n,), vocab, generator, config.device)  # [B * n]
+        cu_q = torch.arange(batch + 1) * n  # [B + 1]: request b owns rows b*n .. (b+1)*n - 1
+
+        def run(_, tokens=tokens, cu_q=cu_q):
+            target.forward(tokens, cache, cu_q, slots, return_hidden=False)
+
+        times[n] = median_ms(run, config)
+    return times
+
+
+@torch.inference_mode()
+def hf_forward_ms(model, batch: int, config: StepBenchConfig) -> dict[int, float]:
+    """Size -> ms of the plain HF model over [batch, n] new tokens on a cached context."""
+    generator = torch.Generator().manual_seed(config.seed)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    context = random_tokens((batch, config.context), vocab, generator, config.device)  # [B, C]
+    # HF's own cache (a DynamicCache), named `cache` by recent transformers, `past_key_values` before
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=context, use_cache=True, logits_to_keep=1)
+    prefilled = out[name] if name in out else out["past_key_values"]
+    times = {}
+    for n in config.sizes:
+        tokens = random_tokens((batch, n), vocab, generator, config.device)  # [B, n]
+
+        def run(cache, tokens=tokens):
+            model(input_ids=tokens, use_cache=True, **{name: cache})
+
+        times[n] = median_ms(run, config, setup=lambda: copy.deepcopy(prefilled))
+    return times
+
+
+# --------------------------------------------------------------------------------------------
+# Drafting cost
+# --------------------------------------------------------------------------------------------
+
+
+class TimedProposer(Proposer):
+    """Wraps a proposer, timing each ``propose`` call and counting the nodes it drafted; every
+    other call and attribute goes to the wrapped proposer unchanged."""
+
+    CAPABILITIES = ("sampled_children", "max_tree_nodes", "max_batch_size", "vocab_size",
+                    "needs_hidden", "hidden_layers", "has_budget")  # fmt: skip
+
+    def __init__(self, inner, device: str) -> None:
+        self.inner, self.device = inner, device
+        for name in self.CAPABILITIES:  # instance attributes: class defaults must not hide them
+            if hasattr(inner, name):
+                setattr(self, name, getattr(inner, name))
+        self.seconds: list[float] = []  # per call
+        self.drafted: list[float] = []  # per call: drafted nodes per request, the roots not counted
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def propose(self, requests):
+        synchronize(self.device)
+        start = time.perf_counter()
+        tree = self.inner.propose(requests)
+        synchronize(self.device)
+        self.seconds.append(time.perf_counter() - start)
+        self.drafted.append((tree.tokens.numel() - len(requests)) / len(requests))
+        return tree
+
+    def observe(self, *args, **kwargs):
+        return self.inner.observe(*args, **kwargs)
+
+    def observe_prefill(self, *args, **kwargs):
+        return self.inner.observe_prefill(*args, **kwargs)
+
+    def release(self, *args, **kwargs):
+        return self.inner.release(*args, **kwargs)
+
+
+def make_proposer(kind: str, model, head, batch: int, budget: int, config: StepBenchConfig):
+    """A fresh proposer drafting ``budget`` nodes per request, with ``treespec bench``'s settings
+    (31 nodes at most; the heads' depth limits as there)."""
+    from treespec.proposers import DraftModelProposer, EagleProposer, MedusaProposer, NgramProposer
+
+    if kind == "ngram":  # no settable budget: one proposer per size, as deep as the nodes allow
+        return NgramProposer(max_depth=min(budget, 8), max_nodes=budget)
+    if kind == "eagle":
+        proposer = EagleProposer(head, model, depth=6, top_k=8, total_tokens=31, max_batch_size=batch,
+                                 attention_backend=config.attention_backend)  # fmt: skip
+    elif kind == "medusa":
+        proposer = MedusaProposer(head, model, dynamic=(8, 31))
+    else:  # draft
+        proposer = DraftModelProposer(head, target_model=model, dynamic=(4, 6, 31), max_batch_size=batch,
+                                      attention_backend=config.attention_backend)  # fmt: skip
+    proposer.set_budget(budget, budget)  # as deep as the nodes allow, within the proposer's depth
+    return proposer
+
+
+def drafting_ms(target, proposer, prompts: list[list[int]], config: StepBenchConfig) -> tuple[float, float]:
+    """(median ms per ``propose`` call, mean drafted nodes per request) while ``target`` decodes
+    ``prompts`` as one batch with this proposer."""
+    timed = TimedProposer(proposer, config.device)
+    calls = config.warmup + config.repeats
+    max_new = 10 * calls + 8  # never reached: no request finishes (and is released) while timed
+    engine = treespec.Engine(target, max_batch_size=len(prompts), max_len=config.context + max_new,
+                             proposer=timed)  # fmt: skip
+    for prompt in prompts:
+        engine.add_request(prompt, max_new_tokens=max_new, eos_token_id=[])
+    while len(timed.seconds) < calls:
+        engine.step()
+    kept = slice(config.warmup, calls)
+    return 1e3 * statistics.median(timed.seconds[kept]), statistics.fmean(timed.drafted[kept])
+
+
+def fit_prompt(prompt: list[int], length: int) -> list[int]:
+    """``prompt`` repeated and cut to ``length`` tokens (repetition gives n-grams to copy)."""
+    return (prompt * (length // len(prompt) + 1))[:length]
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+
+
+def relative(times: dict[int, float]) -> dict[int, float]:
+    return {n: t / times[1] for n, t in times.items()}
+
+
+def run(model, heads: dict, prompts: list[list[int]], config: StepBenchConfig, log=print) -> dict:
+    """Every measurement for ``model`` (on ``config.device`` in ``config.dtype`` already).
+
+    ``heads``: kind -> loaded head module (``draft``, ``medusa``, ``eagle``); a proposer whose
+    head is missing is skipped and listed in ``skipped``. ``prompts``: token lists the proposer
+    runs decode (cycled over the batch, fitted to ``config.context`` tokens)."""
+    torch.manual_seed(config.seed)
+    target = treespec.Target(model, attention_backend=config.attention_backend)
+    forward, propose, skipped = [], [], {}
+    for batch in config.batches:
+        ours, hf = target_forward_ms(target, batch, config), hf_forward_ms(model, batch, config)
+        for n in config.sizes:
+            forward.append({"batch": batch, "new_per_request": n, "new_tokens": batch * n,
+                            "treespec_ms": ours[n], "treespec_vs_1": relative(ours)[n],
+                            "hf_ms": hf[n], "hf_vs_1": relative(hf)[n]})  # fmt: skip
+            log(f"forward B={batch:<2} n={n:<3} treespec {ours[n]:8.2f} ms ({relative(ours)[n]:5.2f}x)  "
+                f"hf {hf[n]:8.2f} ms ({relative(hf)[n]:5.2f}x)")  # fmt: skip
+        batch_prompts = [fit_prompt(prompts[b % len(prompts)], config.context) for b in range(batch)]
+        for kind in config.proposers:
+            if kind != "ngram" and kind not in heads:
+                skipped[kind] = "no head of this kind for the model"
+                continue
+            times = {}
+            for budget in config.budgets:
+                proposer = make_proposer(kind, model, heads.get(kind), batch, budget, config)
+                times[budget], drafted = drafting_ms(target, proposer, batch_prompts, config)
+                propose.append({"proposer": kind, "batch": batch, "budget": budget, "drafted_nodes": drafted,
+                                "ms": times[budget], "vs_1": times[budget] / times[1],
+                                "vs_target_step": times[budget] / ours[1]})  # fmt: skip
+                log(f"propose {kind:<6} B={batch:<2} budget {budget:<3} drafted {drafted:5.1f}  "
+                    f"{times[budget]:8.2f} ms ({times[budget] / times[1]:5.2f}x)")  # fmt: skip
+    return {
+        "config": asdict(config),
+        "batching": BATCHING,
+        "target": {"attention_backend": target.attention_backend, "linear_backend": target.linear_backend},
+        "machine": machine(config.device),
+        "forward": forward,
+        "propose": propose,
+        "skipped": skipped,
+    }
+
+
+def machine(device: str) -> dict:
+    info = {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def plot(report: dict, path: Path) -> bool:
+    """Forward ms per new tokens (treespec solid, HF dashed) and drafting ms per budget."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for batch in report["config"]["batches"]:
+        rows = [r for r in report["forward"] if r["batch"] == batch]
+        xs = [r["new_per_request"] for r in rows]
+        (line,) = left.plot(xs, [r["treespec_ms"] for r in rows], marker="o", label=f"treespec B={batch}")
+        left.plot(
+            xs, [r["hf_ms"] for r in rows], "--", marker="x", color=line.get_color(), label=f"HF B={batch}"
+        )
+    left.set(xlabel="new tokens per request", ylabel="ms per forward")
+    left.set_title(f"forward, {report['config']['context']}-token context")
+    for kind in dict.fromkeys(r["proposer"] for r in report["propose"]):
+        for batch in report["config"]["batches"]:
+            rows = [r for r in report["propose"] if r["proposer"] == kind and r["batch"] == batch]
+            right.plot(
+                [r["budget"] for r in rows], [r["ms"] for r in rows], marker="o", label=f"{kind} B={batch}"
+            )
+    right.set(xlabel="drafted nodes per request (budget)", ylabel="ms per propose call")
+    right.set_title("drafting")
+    ticks = (report["config"]["sizes"], report["config"]["budgets"])
+    for axis, xs in zip((left, right), ticks, strict=True):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xticks(xs, [str(x) for x in xs])
+        axis.legend(fontsize=7)
+    device = report["machine"].get("gpu", report["config"]["device"])
+    fig.suptitle(f"{report.get('model', 'model')} {report['config']['dtype']} on {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(report: dict, out: Path, log=print) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    log(f"wrote {out}")
+    png = out.with_suffix(".png")
+    if plot(report, png):
+        log(f"wrote {png}")
+    else:
+        log("no plot: matplotlib is not installed (pip install 'treespec[plot]')")
+
+
+def _csv(text: str) -> tuple:
+    return tuple(int(part) if part.isdigit() else part for part in text.split(",") if part)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--out", type=Path, default=Path("bench_results/bench_step.json"))
+    parser.add_argument("--quick", action="store_true", help="a small configuration: " + str(QUICK))
+    parser.add_argument("--context", type=int, help="cached tokens per request (default 300)")
+    parser.add_argument("--batches", type=_csv, help="comma list (default 1,4,8)")
+    parser.add_argument("--sizes", type=_csv, help="new tokens per request, comma list (default 1,...,64)")
+    parser.add_argument(
+        "--budgets", type=_csv, help="drafted nodes per request, comma list (default 1,...,31)"
+    )
+    parser.add_argument("--proposers", type=_csv, help=f"comma list of {', '.join(PROPOSERS)} (default all)")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--attention-backend", choices=["auto", "triton", "reference"])
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = ("context", "batches", "sizes", "budgets", "proposers", "repeats", "warmup", "attention_backend")
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    overrides = {**(QUICK if args.quick else {}), **given}
+    config = replace(StepBenchConfig(device=args.device, dtype=args.dtype), **overrides)
+    from treespec import heads as head_registry
+    from treespec.models import load
+    from treespec.prompts import BENCH_PROMPTS, encode_prompts
+
+    model, tokenizer = load(args.model, dtype=DTYPES[config.dtype], device=config.device)
+    shipped = head_registry.shipped_for(args.model)
+    heads = {kind: head_registry.load(name, dtype=model.dtype, device=config.device, target_model=model)
+             for kind, name in shipped.items() if kind in config.proposers}  # fmt: skip
+    prompts = encode_prompts(tokenizer, [text for _, text in BENCH_PROMPTS])
+    report = {"model": args.model, **run(model, heads, prompts, config)}
+    write(report, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""scripts/bench_step.py on a tiny random Llama with random heads: the report's structure and
+positive times for every forward size and every proposer's budget."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import build
+from test_eagle import random_head
+from test_heads import random_heads
+
+SMALL = dict(context=16, batches=(1, 2), sizes=(1, 4), budgets=(1, 3), repeats=1, warmup=1)
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_step.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench_step():
+    return load_script()
+
+
+def test_quick_run_reports_every_size_and_budget(bench_step, tmp_path):
+    model = build("llama")
+    heads = {"eagle": random_head(model), "medusa": random_heads(model), "draft": build("llama", seed=3)}
+    config = bench_step.StepBenchConfig(device="cpu", dtype="fp32", **SMALL)
+    prompts = [[5, 6, 7, 8] * 3, list(range(20, 40))]
+    report = bench_step.run(model, heads, prompts, config, log=lambda _: None)
+    out = tmp_path / "step.json"
+    bench_step.write(report, out, log=lambda _: None)
+    saved = json.loads(out.read_text())
+    assert saved["batching"].startswith("per request")
+    assert saved["target"] == {"attention_backend": "reference", "linear_backend": "fp32-kmajor"}
+    assert not saved["skipped"]
+    forward = saved["forward"]
+    assert [(r["batch"], r["new_per_request"]) for r in forward] == [(b, n) for b in (1, 2) for n in (1, 4)]
+    for row in forward:
+        assert row["new_tokens"] == row["batch"] * row["new_per_request"]
+        assert row["treespec_ms"] > 0 and row["hf_ms"] > 0
+        if row["new_per_request"] == 1:
+            assert row["treespec_vs_1"] == row["hf_vs_1"] == 1.0
+    propose = saved["propose"]
+    want = [(k, b, n) for b in (1, 2) for k in ("ngram", "draft", "medusa", "eagle") for n in (1, 3)]
+    assert [(r["proposer"], r["batch"], r["budget"]) for r in propose] == want
+    for row in propose:
+        assert row["ms"] > 0 and row["vs_target_step"] > 0
+        assert 0 <= row["drafted_nodes"] <= row["budget"]
+        if row["proposer"] != "ngram":  # heads always fill a fixed budget; n-grams need matches
+            assert row["drafted_nodes"] == row["budget"]
+    if bench_step.plot(saved, tmp_path / "again.png"):  # matplotlib is in the test extra
+        assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_missing_heads_are_skipped_and_bad_configs_refused(bench_step):
+    model = build("llama")
+    config = bench_step.StepBenchConfig(device="cpu", dtype="fp32", **{**SMALL, "batches": (1,)})
+    report = bench_step.run(model, {}, [[1, 2, 3]], config, log=lambda _: None)
+    assert set(report["skipped"]) == {"draft", "medusa", "eagle"}
+    assert {r["proposer"] for r in report["propose"]} == {"ngram"}
+    with pytest.raises(ValueError, match="include 1"):
+        bench_step.StepBenchConfig(sizes=(2, 4))
+    with pytest.raises(ValueError, match="unknown proposer"):
+        bench_step.StepBenchConfig(proposers=("lookahead",))

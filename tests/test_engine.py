@@ -1,0 +1,179 @@
+"""The engine's side of the proposer protocol: one step result per step, capacity, checks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import build, hf_greedy
+from test_eagle import random_head
+from test_heads import random_heads
+
+import treespec
+from treespec import Engine, SamplingParams, Target
+from treespec.proposers import (
+    DraftModelProposer,
+    EagleProposer,
+    HybridProposer,
+    MedusaProposer,
+    NgramProposer,
+    Proposer,
+)
+from treespec.tree import TokenTree
+
+
+class Checker(Proposer):
+    """Wraps a proposer and checks every step result against the trees it proposed."""
+
+    def __init__(self, inner: Proposer):
+        self.inner = inner
+        self.needs_hidden, self.hidden_layers = inner.needs_hidden, inner.hidden_layers
+        self.max_tree_nodes, self.max_batch_size = inner.max_tree_nodes, inner.max_batch_size
+        self.trees: dict[int, tuple[list[int], list[int]]] = {}
+        self.results = []
+
+    def propose(self, requests):
+        tree = self.inner.propose(requests)
+        cu = tree.cu_nodes.tolist()
+        for b, r in enumerate(requests):
+            self.trees[r.request_id] = (
+                tree.tokens[cu[b] : cu[b + 1]].tolist(),
+                tree.parents[cu[b] : cu[b + 1]].tolist(),
+            )
+        return tree
+
+    def observe(self, result):
+        for r in result.requests:
+            proposed = self.trees.pop(r.request_id, None)
+            if proposed is not None:  # a decoding step: the tree as proposed
+                assert (r.tree_tokens, r.tree_parents) == proposed
+            else:  # the first token: the prompt's last token as a root-alone tree
+                assert r.tree_parents == [-1] and r.accepted == [0]
+            assert r.accepted[0] == 0
+            for parent, child in itertools.pairwise(r.accepted):  # a root-to-node path
+                assert r.tree_parents[child] == parent
+            # committed = the accepted drafted tokens then the bonus, cut at EOS / max_new_tokens
+            drafted = [r.tree_tokens[n] for n in r.accepted[1:]]
+            assert r.committed[: len(drafted)] == drafted[: len(r.committed)]
+            assert r.hidden is None or r.hidden.shape[0] == len(r.committed)
+            self.results.append(r)
+        self.inner.observe(result)
+
+    def observe_prefill(self, request_id, tokens, hidden):
+        self.inner.observe_prefill(request_id, tokens, hidden)
+
+    def release(self, request_id):
+        self.inner.release(request_id)
+
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [20, 21, 22], [9, 9, 9, 9, 9, 9]]
+
+
+def test_step_results_carry_the_tree_the_accepted_nodes_and_the_tokens():
+    model = build("llama")
+    want = [hf_greedy(model, p, 12) for p in PROMPTS]
+    for inner in (NgramProposer(max_depth=4), DraftModelProposer(model, dynamic=(2, 3, 5)),
+                  EagleProposer(random_head(model), model, top_k=2, depth=3, total_tokens=5)):  # fmt: skip
+        checker = Checker(inner)
+        out = treespec.generate(model, PROMPTS, max_new_tokens=12, proposer=checker)
+        assert out.sequences == want
+        assert not checker.trees  # every proposed tree was observed
+        if isinstance(inner, DraftModelProposer):  # the target as its own draft: paths are accepted
+            assert any(len(r.accepted) > 2 for r in checker.results)
+
+
+def _one_thousand_prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(0, 128, (int(n),), generator=generator).tolist()
+        for n in torch.randint(1, 6, (1000,), generator=generator)
+    ]
+
+
+@pytest.fixture(scope="module")
+def plain_thousand():
+    """A model, 1,000 prompts and their plain (no proposer) continuations, computed once."""
+    model = build("llama")
+    prompts = _one_thousand_prompts()
+    return model, prompts, treespec.generate(model, prompts, max_new_tokens=3).sequences
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle", "medusa", "ngram", "hybrid"])
+def test_a_thousand_prompts_complete_with_any_proposer(kind, plain_thousand):
+    """generate() with 1,000 prompts: the engine admits no more requests than the proposer holds
+    (8, the draft model's and EAGLE's default capacity, used to overflow), the queue drains and
+    every output equals plain decoding's."""
+    model, prompts, plain = plain_thousand
+    proposer = {
+        "draft": lambda: DraftModelProposer(build("llama", seed=3)),
+        "eagle": lambda: EagleProposer(random_head(model), model, top_k=2, depth=2, total_tokens=3),
+        "medusa": lambda: MedusaProposer(random_heads(model), model),
+        "ngram": lambda: NgramProposer(max_depth=2),
+        "hybrid": lambda: HybridProposer(
+            EagleProposer(random_head(model), model, top_k=2, depth=2, total_tokens=3),
+            NgramProposer(max_depth=2),
+        ),
+    }[kind]()
+    out = treespec.generate(model, prompts, max_new_tokens=3, proposer=proposer)
+    assert len(out.sequences) == 1000 and out.sequences == plain
+
+
+def test_the_engine_runs_no_more_requests_than_the_proposer_holds():
+    model = build("llama")
+    engine = Engine(
+        Target(model), max_batch_size=8, proposer=DraftModelProposer(build("llama", seed=3), max_batch_size=3)
+    )
+    assert engine.max_running == 3 and engine.cache.num_free == 3
+    for p in PROMPTS * 3:
+        engine.add_request(p, max_new_tokens=4)
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, len(engine._running))
+    assert most == 3
+    with pytest.raises(ValueError, match="max_batch_size"):
+        treespec.generate(model, PROMPTS, max_new_tokens=2, max_batch_size=0)
+
+
+class Malformed(Proposer):
+    """A tree whose bitmask does not match its parents: only the full (debug) check sees it."""
+
+    max_tree_nodes = 4
+
+    def propose(self, requests):
+        tree = TokenTree.from_lists([[r.tokens[-1], 1, 2] for r in requests], [[-1, 0, 0] for _ in requests])
+        return TokenTree(
+            tree.tokens, tree.parents, tree.depth, tree.cu_nodes, torch.ones_like(tree.tree_mask)
+        )
+
+
+def test_full_validation_runs_only_in_debug_mode():
+    model = build("llama")
+    target = Target(model)
+    with pytest.raises(ValueError, match="malformed tree: tree_mask"):
+        engine = Engine(target, proposer=Malformed(), debug=True)
+        engine.add_request(PROMPTS[1], max_new_tokens=4)
+        while engine.has_unfinished():
+            engine.step()
+    engine = Engine(target, proposer=Malformed(), debug=False)  # the cheap check passes it
+    engine.add_request(PROMPTS[1], max_new_tokens=4)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_typical_acceptance_is_reachable_from_sampling_params():
+    """Lossy and opt-in: with the target as its own draft every drafted token is typical."""
+    model = build("llama")
+    params = SamplingParams(temperature=1.0, typical_acceptance=(0.09, 0.3))
+    engine = Engine(Target(model), proposer=DraftModelProposer(model, dynamic=(1, 3, 3)),
+                    generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert (
+        engine._mode(params) == "typical" and engine._mode(SamplingParams(temperature=1.0)) == "deterministic"
+    )
+    rid = engine.add_request(PROMPTS[0], max_new_tokens=13, sampling=params)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.pop(rid).output) == 13
+    with pytest.raises(ValueError, match="typical_acceptance"):
+        SamplingParams(temperature=1.0, typical_acceptance=(0.0, 0.3))

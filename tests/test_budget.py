@@ -8,8 +8,11 @@ from test_eagle import random_head
 
 import treespec
 from treespec.budget import AcceptanceStats, AdaptiveProposer, BudgetChooser, CostModel
-from treespec.proposers import EagleProposer, NgramProposer
+from treespec.proposers import EagleProposer, NgramProposer, ProposalRequest, Proposer
+from treespec.proposers.base import RequestResult, StepResult
+from treespec.sampling import SamplingParams
 from treespec.target import Target
+from treespec.tree import TokenTree
 
 RATES = [[0.8, 0.3, 0.1], [0.7, 0.2, 0.1], [0.6, 0.2], [0.5, 0.2], [0.5]]
 
@@ -58,6 +61,14 @@ def test_cost_model_interpolates_and_measures():
     assert CostModel.monotone([48.0, 65.0, 132.0, 93.0, 123.0]) == [48.0, 65.0, 93.0, 93.0, 123.0]
     with pytest.raises(ValueError):
         CostModel([1], [1.0])
+    # steps actually run update the curve; a fresh point is trusted and the curve stays non-decreasing
+    curve = CostModel([1, 8, 64], [1.0, 2.0, 9.0])
+    curve.update(8, 6.0, weight=0.5)
+    assert curve.seconds == [1.0, 4.0, 9.0]
+    curve.update(16, 20.0)
+    assert curve.sizes == [1, 8, 16, 64] and curve.seconds == [1.0, 4.0, 20.0, 20.0]
+    curve.update(2, 0.5)
+    assert curve.sizes == [1, 2, 8, 16, 64] and curve.seconds == [0.5, 0.5, 4.0, 20.0, 20.0]
 
 
 def test_adaptive_proposer_keeps_output_exact_and_adapts():
@@ -101,3 +112,42 @@ def test_set_budget_never_drafts_deeper_than_its_nodes():
     draft = DraftModelProposer(build("llama", seed=1), target_model=model, dynamic=(4, 6, 31))
     draft.set_budget(3, depth=6)
     assert draft.dynamic == (4, 3, 3)
+
+
+class ChainOfBudget(Proposer):
+    """Drafts a chain of as many nodes as its budget says (tokens 1, 2, 3, ...)."""
+
+    has_budget = True
+    max_tree_nodes = 9
+
+    def __init__(self):
+        self.nodes = 8
+
+    def set_budget(self, num_nodes, depth):
+        self.nodes = num_nodes
+
+    def propose(self, requests):
+        return TokenTree.from_lists([[r.tokens[-1]] + list(range(1, self.nodes + 1)) for r in requests])
+
+
+def test_a_budget_that_cannot_lose_follows_the_measured_steps():
+    """A fake clock runs each step at a cost that depends on the tree: trees are nearly free for
+    100 steps, then each drafted node costs 10x a plain step. The target accepts everything, so
+    the acceptance model always favours trees and the start-up cost curve (flat) never changes
+    on its own: only the steps actually run can tell the proposer to stop drafting."""
+    now = [0.0]
+    proposer = AdaptiveProposer(ChainOfBudget(), BudgetChooser(CostModel([1, 8, 64], [1.0, 1.0, 1.0])),
+                                clock=lambda: now[0])  # fmt: skip
+    request = ProposalRequest(0, [7], 1, SamplingParams(), 1000)
+    for step in range(220):
+        tree = proposer.propose([request])
+        nodes = tree.num_nodes - 1
+        now[0] += 1.0 + (0.01 if step < 100 else 10.0) * nodes  # the step's cost
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        everything = RequestResult(0, tokens, parents, list(range(len(tokens))), tokens[1:] + [0])
+        proposer.observe(StepResult([everything]))
+    cheap, dear = proposer.chosen[50:100], proposer.chosen[160:]
+    assert sum(n > 0 for n in cheap) >= 45  # trees pay: drafted almost every step (baseline steps aside)
+    assert sum(n > 0 for n in dear) <= 10  # trees lose: only probes draft
+    assert proposer.throughput.trees_lose() or not proposer.throughput.tree
+    assert proposer.chooser.forward_cost(9) > 10.0  # the curve learnt what a 9-token step costs now

@@ -25,6 +25,7 @@ import bisect
 import itertools
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,6 +54,27 @@ class CostModel:
         i = min(max(bisect.bisect_left(sizes, tokens), 1), len(sizes) - 1)
         (a, b), (ta, tb) = (sizes[i - 1], sizes[i]), (secs[i - 1], secs[i])
         return ta + (tb - ta) * (tokens - a) / (b - a)
+
+    def update(self, tokens: int, seconds: float, weight: float = 0.25) -> None:
+        """Blend a step actually run (``tokens`` new tokens in ``seconds``) into the curve: an
+        exponential moving average at that size (the point is added if it was not measured).
+        The fresh point is the one trusted: smaller sizes are lowered to it and larger ones
+        raised to it, so the curve stays non-decreasing. Keeps a start-up calibration from
+        going stale when the machine's load changes."""
+        if tokens < 1 or not seconds > 0:
+            return
+        i = bisect.bisect_left(self.sizes, tokens)
+        if i < len(self.sizes) and self.sizes[i] == tokens:
+            self.seconds[i] = (1 - weight) * self.seconds[i] + weight * seconds
+        else:
+            self.sizes.insert(i, tokens)
+            self.seconds.insert(i, seconds)
+        fresh = self.seconds[i]
+        self.seconds = (
+            [min(t, fresh) for t in self.seconds[:i]]
+            + [fresh]
+            + [max(t, fresh) for t in self.seconds[i + 1 :]]
+        )
 
     def relative(self) -> dict[int, float]:
         """Cost of each measured size relative to one token."""
@@ -186,6 +208,34 @@ class BudgetChooser:
         return best
 
 
+@dataclass
+class StepThroughput:
+    """Tokens per second of the steps actually run, with a tree and without (recent windows).
+
+    The guard that a budget cannot lose: when the measured rate with trees falls below the
+    measured rate without, speculating is switched off (but for probes) whatever the model of
+    costs and acceptance predicts."""
+
+    window: int = 16
+    plain: deque = field(init=False)  # (seconds, tokens) of recent steps without a tree
+    tree: deque = field(init=False)  # (seconds, tokens) of recent steps with one
+
+    def __post_init__(self) -> None:
+        self.plain, self.tree = deque(maxlen=self.window), deque(maxlen=self.window)
+
+    def record(self, drafted: bool, seconds: float, tokens: int) -> None:
+        (self.tree if drafted else self.plain).append((seconds, tokens))
+
+    @staticmethod
+    def rate(steps: deque) -> float:
+        seconds = sum(s for s, _ in steps)
+        return sum(t for _, t in steps) / seconds if seconds > 0 else 0.0
+
+    def trees_lose(self) -> bool:
+        """Enough of both kinds measured, and trees commit fewer tokens per second."""
+        return len(self.plain) >= 2 and len(self.tree) >= 4 and self.rate(self.tree) < self.rate(self.plain)
+
+
 class AdaptiveProposer(Proposer):
     """A proposer whose tree size is chosen every step by a :class:`BudgetChooser`."""
 
@@ -195,11 +245,19 @@ class AdaptiveProposer(Proposer):
         chooser: BudgetChooser,
         stats: AcceptanceStats | None = None,
         probe_every: int = 8,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``probe_every``: when speculating does not pay, still draft the best non-empty tree
         after this many idle steps, so the acceptance estimates keep learning (else a
         pessimistic start would never be corrected). Each probe that leaves the choice at "no
-        tree" doubles the wait, up to 8x; a tree chosen on its merits resets it."""
+        tree" doubles the wait, up to 8x; a tree chosen on its merits resets it.
+
+        The steps actually run keep the budget honest: the time from one ``propose`` to the
+        next is a whole step, and with the tokens it committed (``observe``) it updates the
+        chooser's cost curve at that step's size and a :class:`StepThroughput`. While trees are
+        chosen, every ``4 * probe_every``-th step runs without one to measure the baseline;
+        when trees measure slower than no tree, none is drafted but for probes. ``clock``
+        (seconds) is a parameter so that tests can drive it."""
         if not isinstance(proposer, Proposer) or not proposer.has_budget:
             raise TypeError(
                 f"{type(proposer).__name__} has no settable budget (has_budget is False, no set_budget): its tree size is fixed"
@@ -215,16 +273,23 @@ class AdaptiveProposer(Proposer):
         self.needs_hidden = proposer.needs_hidden
         self.hidden_layers = proposer.hidden_layers
         self.probe_every = probe_every
+        self.clock = clock
+        self.throughput = StepThroughput()
         self._idle = 0  # steps since the last tree
         self._wait = probe_every  # idle steps before the next probe
+        self._since_plain = 0  # tree steps since the last step without a tree
         self.chosen: list[int] = []  # nodes per request, per step
-        self._propose_times: list[tuple[int, float]] = []  # (nodes, seconds) of recent proposals
+        self._propose_times: deque[tuple[int, float]] = deque(
+            maxlen=64
+        )  # (nodes, seconds) of recent proposals
+        self._open_step: tuple[float, int, int] | None = None  # (start, nodes, batch) of the step under way
+        self._step_tokens = 0  # tokens committed by the step under way
         if chooser.propose_cost is None:
             chooser.propose_cost = self._propose_cost
 
     def _propose_cost(self, nodes: int) -> float:
         """Least-squares line through the recent (nodes, seconds) of this proposer's drafting."""
-        points = self._propose_times[-64:]
+        points = list(self._propose_times)
         if len({n for n, _ in points}) < 2:
             return statistics.fmean(t for _, t in points) if points else 0.0
         mean_n = statistics.fmean(n for n, _ in points)
@@ -234,30 +299,54 @@ class AdaptiveProposer(Proposer):
         )
         return max(0.0, mean_t + slope * (nodes - mean_n))
 
-    def propose(self, requests: list[ProposalRequest]) -> TokenTree:
-        rates = self.stats.rates()
-        nodes, depth, _ = self.chooser.choose(rates, len(requests), cap=self.max_tree_nodes - 1)
+    def _close_step(self, now: float) -> None:
+        """The step that began at the last ``propose`` ended now: learn its cost and rate."""
+        if self._open_step is None:
+            return
+        start, nodes, batch = self._open_step
+        seconds = now - start
+        self.throughput.record(nodes > 0, seconds, self._step_tokens)
+        drafting = self._propose_times[-1][1] if nodes and self._propose_times else 0.0
+        self.chooser.forward_cost.update(batch * (nodes + 1), seconds - drafting)
+        self._open_step, self._step_tokens = None, 0
+
+    def _choose(self, rates: list[list[float]], batch: int) -> tuple[int, int]:
+        """Nodes per request and depth for this step: the chooser's pick, overruled by the
+        measured throughput, the baseline steps and the probes."""
+        cap = self.max_tree_nodes - 1
+        nodes, depth, _ = self.chooser.choose(rates, batch, cap=cap)
+        if nodes and self.throughput.trees_lose():
+            nodes = depth = 0  # measured: trees lose on this machine now
+        if nodes and self._since_plain >= 4 * self.probe_every:
+            nodes = depth = 0  # a baseline step keeps the no-tree rate current
         if nodes:
             self._idle, self._wait = 0, self.probe_every
+            self._since_plain += 1
         else:
             self._idle += 1
+            self._since_plain = 0
         if self._idle >= self._wait:  # a probe: the best tree that drafts something
-            nodes, depth, _ = self.chooser.choose(
-                rates, len(requests), cap=self.max_tree_nodes - 1, min_nodes=1
-            )
+            nodes, depth, _ = self.chooser.choose(rates, batch, cap=cap, min_nodes=1)
             self._idle, self._wait = 0, min(2 * self._wait, 8 * self.probe_every)
+        return nodes, depth
+
+    def propose(self, requests: list[ProposalRequest]) -> TokenTree:
+        now = self.clock()
+        self._close_step(now)
+        nodes, depth = self._choose(self.stats.rates(), len(requests))
         self.chosen.append(nodes)
+        self._open_step = (now, nodes, len(requests))
         if nodes == 0:
             return TokenTree.from_lists([[r.tokens[-1]] for r in requests])
         self.proposer.set_budget(nodes, max(depth, 1))
-        start = time.perf_counter()
         tree = self.proposer.propose(requests)
-        self._propose_times.append((nodes, time.perf_counter() - start))
+        self._propose_times.append((nodes, self.clock() - now))
         return tree
 
     def observe(self, result: StepResult) -> None:
         for request in result.requests:
             self.stats.update(request.tree_tokens, request.tree_parents, request.accepted)
+            self._step_tokens += len(request.committed)
         self.proposer.observe(result)
 
     def observe_prefill(self, request_id: int, tokens: list[int], hidden: torch.Tensor) -> None:

@@ -152,3 +152,9 @@ def test_bf16_runs_with_every_proposer(kind):
         Target(model), PROMPTS, max_new_tokens=NEW, proposer=make_proposer(kind, "llama", model)
     )
     assert all(len(seq) == NEW and all(0 <= t < VOCAB for t in seq) for seq in out.sequences)
+
+
+def test_a_generator_on_another_device_is_refused(oracle):
+    model, _ = oracle("llama")
+    with pytest.raises(ValueError, match="generator is on cpu but the model on cuda"):
+        treespec.generate(model, PROMPTS[:1], max_new_tokens=2, temperature=1.0, generator=torch.Generator())

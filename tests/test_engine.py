@@ -20,6 +20,7 @@ from treespec.proposers import (
     NgramProposer,
     Proposer,
 )
+from treespec.proposers.base import RequestResult
 from treespec.tree import TokenTree
 
 
@@ -81,6 +82,19 @@ def test_step_results_carry_the_tree_the_accepted_nodes_and_the_tokens():
         assert not checker.trees  # every proposed tree was observed
         if isinstance(inner, DraftModelProposer):  # the target as its own draft: paths are accepted
             assert any(len(r.accepted) > 2 for r in checker.results)
+
+
+def test_request_result_counts_the_kept_drafted_tokens():
+    tree = dict(tree_tokens=[9, 1, 2, 3], tree_parents=[-1, 0, 1, 1])  # 9 -> 1 -> {2, 3}
+    whole = RequestResult(0, **tree, accepted=[0, 1, 2], committed=[1, 2, 5])
+    cut = RequestResult(0, **tree, accepted=[0, 1, 2], committed=[1])  # an EOS at the first drafted token
+    first = RequestResult(0, [9], [-1], [0], [4])  # the token after prefill: a root alone
+    assert (whole.num_accepted, cut.num_accepted, first.num_accepted) == (2, 1, 0)
+    assert (
+        not whole.rejected_at_last()
+        and RequestResult(0, **tree, accepted=[0, 1], committed=[1, 7]).rejected_at_last()
+    )
+    assert not first.rejected_at_last()
 
 
 def _one_thousand_prompts() -> list[list[int]]:

@@ -78,7 +78,7 @@ class RequestResult:
     @property
     def num_accepted(self) -> int:
         """Drafted tokens the target accepted and the output kept (the bonus not counted)."""
-        return min(len(self.accepted), len(self.committed)) - 1
+        return min(len(self.accepted) - 1, len(self.committed))
 
     def rejected_at_last(self) -> bool:
         """True when the walk stopped at a node that had children (drafts were rejected there)."""

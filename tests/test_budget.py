@@ -76,7 +76,11 @@ def test_adaptive_proposer_keeps_output_exact_and_adapts():
     model, want = oracle_table(prompts, 14)("llama")
     eagle = EagleProposer(random_head(model), model, top_k=3, depth=4, total_tokens=12)
     chooser = BudgetChooser(CostModel([1, 8, 64], [1.0, 1.1, 1.5]))
-    proposer = AdaptiveProposer(eagle, chooser)
+    # A clock that ticks one second per reading: every step measures one second of forward pass
+    # whatever its size, so the cost curve stays flat and only acceptance moves the budget (the
+    # real clock would put milliseconds into a curve given in seconds, and the result on timing).
+    ticks = iter(range(10**6))
+    proposer = AdaptiveProposer(eagle, chooser, clock=lambda: float(next(ticks)))
     out = treespec.generate(model, prompts, max_new_tokens=14, proposer=proposer)
     assert out.sequences == want
     assert proposer.chosen[0] == 12  # a flat cost curve and the prior: the whole budget
@@ -92,7 +96,8 @@ def test_a_pessimistic_budget_still_probes_and_learns():
     model = build("llama")
     eagle = EagleProposer(random_head(model), model, top_k=2, depth=3, total_tokens=6)
     steep = BudgetChooser(CostModel([1, 8, 64], [1.0, 8.0, 64.0]))
-    proposer = AdaptiveProposer(eagle, steep, probe_every=4)
+    ticks = iter(range(10**6))  # one second per clock reading: measured steps agree with the curve
+    proposer = AdaptiveProposer(eagle, steep, probe_every=4, clock=lambda: float(next(ticks)))
     treespec.generate(model, [[5, 6, 7]], max_new_tokens=40, proposer=proposer)
     probes = [i for i, n in enumerate(proposer.chosen) if n]
     assert probes[:3] == [3, 11, 27]  # waits of 4, then 8, then 16 idle steps (a random head never pays)

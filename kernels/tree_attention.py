@@ -27,7 +27,11 @@ Contract, shared by ``tree_attention_triton``, ``tree_attention_ref`` and ``tree
 The file reads top to bottom: the Triton kernel (flash-attention online softmax, one program
 per block of query tokens x all query heads of one KV head, optionally one slice of the prefix
 for split-KV), its Python wrapper, the PyTorch reference, a plain reference, and
-``tree_attention``, which picks the kernel or the PyTorch reference. The PyTorch reference pads
+``tree_attention``, which picks the kernel or the PyTorch reference. A fourth backend, ``"cpu"``,
+is treespec's batch-invariant C kernel for bf16 on x86-64 CPUs (:mod:`treespec.kernels.cpu_kernels`):
+each query row and head computed alone over its visible keys in cache order, so that a tree
+node gets the bits an autoregressive step would; it is chosen explicitly (a Target's
+``batch_invariant`` mode), never by "auto". The PyTorch reference pads
 the ragged batch to [B, n_max] queries and [B, L_max] keys with a dense boolean mask and runs one
 scaled-dot-product attention, with fast paths; callers that run many layers per step build an
 :class:`AttentionPlan` once and call :func:`attend` per layer. The plain reference,
@@ -45,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from treespec.kernels import cpu_kernels
 from treespec.tree import BITS_PER_WORD
 
 try:
@@ -53,7 +58,7 @@ try:
 except ImportError:  # the reference still runs; backend="triton" raises
     triton = None
 
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "triton", "reference", "cpu")
 
 
 def interpreting() -> bool:
@@ -642,7 +647,52 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             "backend='triton' cannot run here: it needs the triton package and CUDA tensors "
             "(or TRITON_INTERPRET=1 on a CPU)"
         )
+    if backend == "cpu" and (device.type != "cpu" or not cpu_kernels.available()):
+        reason = f"the model is on {device}" if device.type != "cpu" else cpu_kernels.unavailable_reason()
+        raise RuntimeError(f"backend='cpu' (treespec's CPU attention kernel) cannot run here: {reason}")
     return backend
+
+
+def cpu_rows(cu_q: torch.Tensor, slots: torch.Tensor, prefix_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per query row: (cache slot, committed length, index among its request's new tokens, that
+    request's count of new tokens), [T] int64 each: what the CPU kernel reads."""
+    cu_q = cu_q.long()
+    num_new = cu_q[1:] - cu_q[:-1]
+    row_request = torch.repeat_interleave(torch.arange(len(num_new), device=cu_q.device), num_new)
+    row_index = torch.arange(int(cu_q[-1]), device=cu_q.device) - cu_q[row_request]
+    return slots.long()[row_request], prefix_lens.long()[row_request], row_index, num_new[row_request]
+
+
+def tree_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+    *,
+    sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    q_positions: torch.Tensor | None = None,
+    rows: tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
+    """The contract on treespec's batch-invariant CPU kernel. It serves bf16 q and caches with no
+    window and no soft-cap; anything else takes :func:`tree_attention_ref` (same values up to
+    summation order). ``rows``: :func:`cpu_rows`, when the caller has built it once for a step."""
+    if (
+        window is not None
+        or softcap is not None
+        or q.dtype != torch.bfloat16
+        or k_cache.dtype != torch.bfloat16
+        or not k_cache.is_contiguous()
+        or not v_cache.is_contiguous()
+    ):
+        return tree_attention_ref(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, sm_scale=sm_scale,
+                                  window=window, softcap=softcap, q_positions=q_positions)  # fmt: skip
+    rows = rows if rows is not None else cpu_rows(cu_q, slots, prefix_lens)
+    return cpu_kernels.tree_attention_bf16(q, k_cache, v_cache, *rows, tree_mask, sm_scale)
 
 
 def tree_attention(
@@ -660,8 +710,13 @@ def tree_attention(
     q_positions: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Tree attention (see the module contract) on the chosen backend; nothing falls back silently."""
+    """Tree attention (see the module contract) on the chosen backend. Nothing falls back silently
+    but the "cpu" backend, which hands what its kernel does not serve (a window, a soft-cap, other
+    dtypes) to the PyTorch reference, as its docstring says."""
     kwargs = dict(sm_scale=sm_scale, window=window, softcap=softcap, q_positions=q_positions)
-    if resolve_backend(backend, q.device) == "triton":
+    resolved = resolve_backend(backend, q.device)
+    if resolved == "triton":
         return tree_attention_triton(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, **kwargs)
+    if resolved == "cpu":
+        return tree_attention_cpu(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, **kwargs)
     return tree_attention_ref(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, **kwargs)

@@ -61,6 +61,7 @@ class StepBenchConfig:
     repeats: int = 10
     warmup: int = 3
     attention_backend: str = "auto"  # the target's (and the draft model's): auto = Triton on CUDA
+    linear_backends: tuple[str, ...] = ("auto",)  # one target per backend, measured side by side
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -70,6 +71,10 @@ class StepBenchConfig:
             raise ValueError("--device cuda: CUDA is not available on this machine")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        from treespec.linear import LINEAR_BACKENDS
+
+        if not self.linear_backends or any(b not in LINEAR_BACKENDS for b in self.linear_backends):
+            raise ValueError(f"linear_backends must be from {LINEAR_BACKENDS}, got {self.linear_backends}")
         unknown = [p for p in self.proposers if p not in PROPOSERS]
         if unknown:
             raise ValueError(f"unknown proposer(s) {unknown}: choose from {', '.join(PROPOSERS)}")
@@ -211,11 +216,12 @@ def make_proposer(kind: str, model, head, batch: int, budget: int, config: StepB
 
     if kind == "ngram":  # no settable budget: one proposer per size, as deep as the nodes allow
         return NgramProposer(max_depth=min(budget, 8), max_nodes=budget)
+    linear = config.linear_backends[0]
     if kind == "eagle":
         proposer = EagleProposer(head, model, depth=6, top_k=8, total_tokens=31, max_batch_size=batch,
-                                 attention_backend=config.attention_backend)  # fmt: skip
+                                 attention_backend=config.attention_backend, linear_backend=linear)  # fmt: skip
     elif kind == "medusa":
-        proposer = MedusaProposer(head, model, dynamic=(8, 31))
+        proposer = MedusaProposer(head, model, dynamic=(8, 31), linear_backend=linear)
     else:  # draft
         proposer = DraftModelProposer(head, target_model=model, dynamic=(4, 6, 31), max_batch_size=batch,
                                       attention_backend=config.attention_backend)  # fmt: skip
@@ -249,6 +255,11 @@ def fit_prompt(prompt: list[int], length: int) -> list[int]:
 # --------------------------------------------------------------------------------------------
 
 
+def label(target: treespec.Target) -> str:
+    """linear + attention backend, the pair that names a measured target."""
+    return f"{target.linear_backend}+{target.attention_backend}"
+
+
 def relative(times: dict[int, float]) -> dict[int, float]:
     return {n: t / times[1] for n, t in times.items()}
 
@@ -260,16 +271,24 @@ def run(model, heads: dict, prompts: list[list[int]], config: StepBenchConfig, l
     head is missing is skipped and listed in ``skipped``. ``prompts``: token lists the proposer
     runs decode (cycled over the batch, fitted to ``config.context`` tokens)."""
     torch.manual_seed(config.seed)
-    target = treespec.Target(model, attention_backend=config.attention_backend)
+    targets = [treespec.Target(model, attention_backend=config.attention_backend, linear_backend=name)
+               for name in config.linear_backends]  # fmt: skip
+    target = targets[0]  # the proposers draft inside an engine on the first
     forward, propose, skipped = [], [], {}
     for batch in config.batches:
-        ours, hf = target_forward_ms(target, batch, config), hf_forward_ms(model, batch, config)
-        for n in config.sizes:
-            forward.append({"batch": batch, "new_per_request": n, "new_tokens": batch * n,
-                            "treespec_ms": ours[n], "treespec_vs_1": relative(ours)[n],
-                            "hf_ms": hf[n], "hf_vs_1": relative(hf)[n]})  # fmt: skip
-            log(f"forward B={batch:<2} n={n:<3} treespec {ours[n]:8.2f} ms ({relative(ours)[n]:5.2f}x)  "
-                f"hf {hf[n]:8.2f} ms ({relative(hf)[n]:5.2f}x)")  # fmt: skip
+        hf = hf_forward_ms(model, batch, config)
+        measured = []
+        for each in targets:
+            ours = target_forward_ms(each, batch, config)
+            measured.append(ours)
+            for n in config.sizes:
+                forward.append({"batch": batch, "linear_backend": each.linear_backend,
+                                "attention_backend": each.attention_backend, "new_per_request": n,
+                                "new_tokens": batch * n, "treespec_ms": ours[n], "treespec_vs_1": relative(ours)[n],
+                                "hf_ms": hf[n], "hf_vs_1": relative(hf)[n]})  # fmt: skip
+                log(f"forward B={batch:<2} n={n:<3} {label(each):<22} treespec {ours[n]:8.2f} ms "
+                    f"({relative(ours)[n]:5.2f}x)  hf {hf[n]:8.2f} ms ({relative(hf)[n]:5.2f}x)")  # fmt: skip
+        ours = measured[0]  # the target the proposers draft on
         batch_prompts = [fit_prompt(prompts[b % len(prompts)], config.context) for b in range(batch)]
         for kind in config.proposers:
             if kind != "ngram" and kind not in heads:
@@ -287,7 +306,11 @@ def run(model, heads: dict, prompts: list[list[int]], config: StepBenchConfig, l
     return {
         "config": asdict(config),
         "batching": BATCHING,
-        "target": {"attention_backend": target.attention_backend, "linear_backend": target.linear_backend},
+        "target": {
+            "attention_backend": target.attention_backend,
+            "linear_backends": [each.linear_backend for each in targets],
+            "backends": [label(each) for each in targets],
+        },
         "machine": machine(config.device),
         "forward": forward,
         "propose": propose,
@@ -312,10 +335,14 @@ def plot(report: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    backends = report["target"]["backends"]
     for batch in report["config"]["batches"]:
-        rows = [r for r in report["forward"] if r["batch"] == batch]
-        xs = [r["new_per_request"] for r in rows]
-        (line,) = left.plot(xs, [r["treespec_ms"] for r in rows], marker="o", label=f"treespec B={batch}")
+        for backend in backends:
+            rows = [r for r in report["forward"]
+                    if r["batch"] == batch and f"{r['linear_backend']}+{r['attention_backend']}" == backend]  # fmt: skip
+            xs = [r["new_per_request"] for r in rows]
+            name = f"treespec {backend}" if len(backends) > 1 else "treespec"
+            (line,) = left.plot(xs, [r["treespec_ms"] for r in rows], marker="o", label=f"{name} B={batch}")
         left.plot(
             xs, [r["hf_ms"] for r in rows], "--", marker="x", color=line.get_color(), label=f"HF B={batch}"
         )
@@ -378,10 +405,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--attention-backend", choices=["auto", "triton", "reference"])
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--linear-backends", type=_csv,
+                        help="comma list of treespec linear backends measured side by side (default auto); "
+                             "the proposers draft with the first")  # fmt: skip
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = ("context", "batches", "sizes", "budgets", "proposers", "repeats", "warmup", "attention_backend")
+    names = ("context", "batches", "sizes", "budgets", "proposers", "repeats", "warmup", "attention_backend",
+             "linear_backends")  # fmt: skip
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     overrides = {**(QUICK if args.quick else {}), **given}
     config = replace(StepBenchConfig(device=args.device, dtype=args.dtype), **overrides)

@@ -37,8 +37,8 @@ COMMON = dict(
 )
 
 
-def tiny_llama() -> LlamaForCausalLM:
-    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **COMMON))
+def tiny_llama(**overrides) -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(**{"num_hidden_layers": 2, **COMMON, **overrides}))
 
 
 def tiny_qwen2() -> Qwen2ForCausalLM:

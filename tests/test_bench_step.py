@@ -40,7 +40,8 @@ def test_quick_run_reports_every_size_and_budget(bench_step, tmp_path):
     bench_step.write(report, out, log=lambda _: None)
     saved = json.loads(out.read_text())
     assert saved["batching"].startswith("per request")
-    assert saved["target"] == {"attention_backend": "reference", "linear_backend": "fp32-kmajor"}
+    assert saved["target"] == {"attention_backend": "reference", "linear_backends": ["fp32-kmajor"],
+                               "backends": ["fp32-kmajor+reference"]}  # fmt: skip
     assert not saved["skipped"]
     forward = saved["forward"]
     assert [(r["batch"], r["new_per_request"]) for r in forward] == [(b, n) for b in (1, 2) for n in (1, 4)]

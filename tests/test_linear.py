@@ -12,6 +12,7 @@ from torch import nn
 
 import treespec
 from treespec import linear
+from treespec.kernels import cpu_kernels
 from treespec.proposers.draft import DraftModelProposer
 from treespec.target import Target
 
@@ -111,6 +112,14 @@ def test_resolve_linear_backend():
     assert linear.resolve_linear_backend("auto", "cpu") == "fp32-kmajor"
     assert linear.resolve_linear_backend("auto", "cuda") == "native"
     assert linear.resolve_linear_backend("native", "cpu") == "native"
+    if cpu_kernels.available():  # bf16 weights on a CPU with AVX2: treespec's kernel
+        assert linear.resolve_linear_backend("auto", "cpu", torch.bfloat16) == "bf16-kernel"
+    assert linear.resolve_linear_backend("auto", "cuda", torch.bfloat16) == "native"
+    with pytest.raises(ValueError, match="for CPUs"):
+        linear.resolve_linear_backend("bf16-kernel", "cuda")
+    from treespec.cli import LINEAR_BACKEND_CHOICES
+
+    assert LINEAR_BACKEND_CHOICES == linear.LINEAR_BACKENDS  # the CLI spells them out to stay light
     with pytest.raises(ValueError, match="one of"):
         linear.resolve_linear_backend("fast", "cpu")
     with pytest.raises(ValueError, match="for CPUs"):

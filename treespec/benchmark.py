@@ -287,6 +287,9 @@ def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
     report["batch_sizes_run"] = dict(sorted(Counter(len(b) for b in batches).items()))  # size -> batches
     report["machine"] = {"platform": platform.platform(), "torch": torch.__version__,
                          "threads": torch.get_num_threads(), "device": config.device}  # fmt: skip
+    target = components.target
+    report["target"] = {"attention_backend": target.attention_backend, "linear_backend": target.linear_backend,
+                        "batch_invariant": target.batch_invariant}  # fmt: skip
     if components.cost_model is not None:
         report["forward_cost_ms"] = {
             n: 1e3 * s
@@ -387,6 +390,10 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
 def format_report(report: dict) -> str:
     lines = [f"{'method':<12} {'tok/s':>7} {'vs hf':>6} {'tau':>5} {'nodes':>5} {'same':>5}  stage ms/step "
              "(propose score verify commit other)  accepted lengths"]  # fmt: skip
+    if "target" in report:
+        t = report["target"]
+        lines.insert(0, f"treespec target: attention {t['attention_backend']}, linear {t['linear_backend']}, "
+                        f"batch-invariant {'yes' if t['batch_invariant'] else 'no'}")  # fmt: skip
     for m in report["methods"]:
         same = "-" if m.get("identical_to_reference") is None else f"{m['identical_to_reference']:.2f}"
         tau = f"{m['mean_accepted_tokens']:.2f}" if "mean_accepted_tokens" in m else "-"

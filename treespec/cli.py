@@ -15,6 +15,9 @@ from collections.abc import Callable
 from treespec import models
 from treespec.prompts import encode_prompts
 
+# treespec.linear.LINEAR_BACKENDS, spelled out so that --help needs no torch (a test keeps them equal)
+LINEAR_BACKEND_CHOICES = ("auto", "native", "fp32-kmajor", "bf16-kernel")
+
 Handler = Callable[[argparse.Namespace], int]
 
 EXIT_OK = 0
@@ -136,8 +139,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--budget", default="adaptive", metavar="adaptive|fixed|N",
                        help="tree size per step: chosen from measured costs and acceptance (adaptive), the "
                        "proposers' own 31 nodes (fixed), or N drafted nodes every step (1 to 31)")  # fmt: skip
-    bench.add_argument("--linear-backend", default="auto", choices=["auto", "native", "fp32-kmajor"],
-                       help="treespec's linear layers: auto = fp32-kmajor on a CPU (cheap multi-token steps)")  # fmt: skip
+    bench.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKEND_CHOICES,
+                       help="treespec's linear layers: auto = bf16-kernel for a bf16 model on a CPU with AVX2, "
+                            "else fp32-kmajor on a CPU, native elsewhere (default: %(default)s)")  # fmt: skip
     bench.add_argument("--json", default="bench_results/bench.json", help="report path")
     bench.add_argument("--plot", default=None, help="PNG: speedup per category, accepted-length histograms")
     bench.add_argument("--heads", action="append", default=[], metavar="KIND=PATH",

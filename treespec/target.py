@@ -26,13 +26,16 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from treespec import linear
 from treespec.cache import KVCache
+from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import (
     AttentionPlan,
     TritonSchedule,
     attend,
     build_plan,
+    cpu_rows,
     resolve_backend,
     schedule_blocks,
+    tree_attention_cpu,
     tree_attention_triton,
 )
 
@@ -109,6 +112,13 @@ class StepMetadata:
                 q.contiguous(), k_cache, v_cache, self.cu_q, self.slots, self.prefix_lens, self.tree_mask,
                 sm_scale=sm_scale, window=window, softcap=softcap, q_positions=self.q_positions,
                 schedule=self.schedule(q.shape[1] // k_cache.shape[1]),
+            )  # fmt: skip
+        if self.backend == "cpu":
+            if "cpu" not in self._plans:
+                self._plans["cpu"] = cpu_rows(self.cu_q, self.slots, self.prefix_lens)
+            return tree_attention_cpu(
+                q, k_cache, v_cache, self.cu_q, self.slots, self.prefix_lens, self.tree_mask, sm_scale=sm_scale,
+                window=window, softcap=softcap, q_positions=self.q_positions, rows=self._plans["cpu"],
             )  # fmt: skip
         return attend(q, k_cache, v_cache, self.plan(window), sm_scale=sm_scale, softcap=softcap)
 
@@ -234,19 +244,60 @@ def _treespec_view(model: PreTrainedModel, linear_backend: str) -> PreTrainedMod
     return view.eval()
 
 
+def batch_invariance_refusal(model: PreTrainedModel) -> str | None:
+    """Why this model cannot be scored batch-invariantly here, or None when it can: treespec's CPU
+    kernels serve bf16 models on x86-64 CPUs with AVX2, without sliding windows or soft-capping."""
+    if model.device.type != "cpu" or model.dtype != torch.bfloat16:
+        return f"it needs a bf16 model on a CPU (treespec's CPU kernels); this one is {model.dtype} on {model.device}"
+    if not cpu_kernels.available():
+        return f"it needs treespec's CPU kernels: {cpu_kernels.unavailable_reason()}"
+    config = model.config
+    if getattr(config, "sliding_window", None) or getattr(config, "attn_logit_softcapping", None):
+        return f"the CPU attention kernel has no sliding window or logit soft-capping, which {type(model).__name__} uses"
+    return None
+
+
 class Target:
     """A wrapped HF causal LM that scores flattened ragged batches of chains and trees."""
 
     def __init__(
-        self, model: PreTrainedModel, *, attention_backend: str = "auto", linear_backend: str = "auto"
+        self,
+        model: PreTrainedModel,
+        *,
+        attention_backend: str = "auto",
+        linear_backend: str = "auto",
+        batch_invariant: bool | None = None,
     ) -> None:
         """``attention_backend``: "auto" (Triton on CUDA, the PyTorch reference elsewhere),
-        "triton" or "reference"; a forced backend that cannot run here raises at once.
-        ``linear_backend``: "auto" ("fp32-kmajor" on a CPU, see :mod:`treespec.linear`, "native"
-        elsewhere), "native" (the model's own layers) or "fp32-kmajor"."""
+        "triton", "reference" or "cpu"; a forced backend that cannot run here raises at once.
+        ``linear_backend``: "auto" (on a CPU "bf16-kernel" for a bf16 model where treespec's
+        kernel builds, else "fp32-kmajor"; "native" elsewhere), "native" (the model's own
+        layers), "fp32-kmajor" or "bf16-kernel" (:mod:`treespec.linear`).
+
+        ``batch_invariant``: score every row with the bits it would get alone, so that at T=0 a
+        speculative run gives exactly the tokens of an autoregressive one in bf16 too (not only
+        up to near-ties). It takes treespec's CPU kernels for the linear layers and the attention
+        ("bf16-kernel", "cpu"): a bf16 model on an x86-64 CPU with AVX2, without sliding windows
+        or soft-capping. None (the default): on wherever it can be and both backends are "auto"
+        (it costs a single-token step nothing, see docs/architecture.md); True: required, and a
+        model or backend that cannot have it is refused with the reason; False: off."""
         _check_causal_lm(model)
+        refusal = batch_invariance_refusal(model)
+        automatic = attention_backend == "auto" and linear_backend == "auto"
+        if batch_invariant is None:
+            batch_invariant = automatic and refusal is None
+        if batch_invariant:
+            if refusal is not None:
+                raise ValueError(f"batch_invariant=True: {refusal}")
+            if attention_backend not in ("auto", "cpu") or linear_backend not in ("auto", "bf16-kernel"):
+                raise ValueError(
+                    "batch_invariant=True takes attention 'cpu' and linear 'bf16-kernel'; got "
+                    f"attention_backend={attention_backend!r}, linear_backend={linear_backend!r}"
+                )
+            attention_backend, linear_backend = "cpu", "bf16-kernel"
+        self.batch_invariant = batch_invariant
         self.attention_backend = resolve_backend(attention_backend, model.device)
-        self.linear_backend = linear.resolve_linear_backend(linear_backend, model.device)
+        self.linear_backend = linear.resolve_linear_backend(linear_backend, model.device, model.dtype)
         self.model = model  # the user's model, left as it was found
         self.runner = _treespec_view(model, self.linear_backend)  # what treespec runs: shares the weights
         config = model.config

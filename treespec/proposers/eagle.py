@@ -88,7 +88,7 @@ class EagleProposer(Proposer):
                 f"total_tokens={total_tokens}"
             )
         weight = head.fc.weight
-        backend = linear.resolve_linear_backend(linear_backend, weight.device)
+        backend = linear.resolve_linear_backend(linear_backend, weight.device, target_model.dtype)
         self.head = linear.module_view(head, backend).eval()
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self._max = (depth, total_tokens)  # set_budget never exceeds what the cache was sized for

@@ -47,7 +47,8 @@ class MedusaProposer(Proposer):
             raise ValueError(
                 f"Medusa heads have a vocabulary of {config.vocab_size}, the target {target_vocab}"
             )
-        backend = linear.resolve_linear_backend(linear_backend, next(heads.parameters()).device)
+        first = next(heads.parameters())
+        backend = linear.resolve_linear_backend(linear_backend, first.device, first.dtype)
         self.heads = linear.module_view(heads, backend).eval()
         self.shape = tree or chain(config.num_heads)
         if self.shape.max_depth > config.num_heads:

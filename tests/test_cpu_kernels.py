@@ -1,0 +1,263 @@
+"""treespec's CPU kernels (kernels/cpu_kernels.c): values against float64 references, the same bits
+for a row whatever rows come with it, the fallbacks where a kernel cannot serve, and the
+batch-invariant mode end to end (a bf16 speculative run gives the autoregressive run's tokens)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import build
+from torch import nn
+
+import treespec
+from treespec import linear
+from treespec.kernels import cpu_kernels
+from treespec.kernels.tree_attention import tree_attention, tree_attention_naive, tree_attention_ref
+from treespec.proposers import DraftModelProposer, NgramProposer
+from treespec.target import Target
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(40, 48), (7, 13), (5, 8), (130, 200)])  # K and N tails, odd sizes
+def test_linear_matches_float64_and_is_batch_invariant(shape):
+    torch.manual_seed(0)
+    n, k = shape
+    weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    x = torch.randn(37, k)
+    full = cpu_kernels.linear_bf16(x, weight)
+    want = x.double() @ weight.double().t()
+    torch.testing.assert_close(full.double(), want, atol=1e-4, rtol=1e-5)
+    rounded = cpu_kernels.linear_bf16(x.bfloat16(), weight, bias)  # bf16 in and out: one rounding at the end
+    assert rounded.dtype == torch.bfloat16
+    wide = x.bfloat16().double() @ weight.double().t() + bias.double()
+    torch.testing.assert_close(rounded.double(), wide, atol=2e-2, rtol=2**-7)
+    for rows in (slice(0, 1), slice(3, 4), slice(0, 3), slice(1, 6), slice(5, 22), slice(0, 36)):
+        assert torch.equal(cpu_kernels.linear_bf16(x[rows], weight), full[rows])  # the same bits, any batch
+        assert torch.equal(cpu_kernels.linear_bf16(x[rows].bfloat16(), weight, bias), rounded[rows])
+    batched = cpu_kernels.linear_bf16(x.reshape(1, 37, k), weight)  # leading dimensions kept
+    assert batched.shape == (1, 37, n) and torch.equal(batched[0], full)
+
+
+@needs_kernels
+def test_linear_refuses_what_it_cannot_take():
+    weight = torch.randn(8, 16).bfloat16()
+    with pytest.raises(ValueError, match="weight must be a 2-D bf16"):
+        cpu_kernels.linear_bf16(torch.randn(2, 16), weight.float())
+    with pytest.raises(ValueError, match=r"x must be a bf16 or fp32 CPU tensor \[..., 16\]"):
+        cpu_kernels.linear_bf16(torch.randn(2, 15), weight)
+    with pytest.raises(ValueError, match="bias must be bf16"):
+        cpu_kernels.linear_bf16(torch.randn(2, 16), weight, torch.zeros(8))
+
+
+def test_an_unavailable_kernel_is_never_chosen(monkeypatch):
+    """Without the kernel (another CPU, no compiler), "auto" keeps the fp32-kmajor layers, the
+    bf16 backends and the batch-invariant mode say why they cannot run, and nothing crashes."""
+    monkeypatch.setattr(cpu_kernels, "_load", lambda: (None, "no C compiler (cc or gcc) on PATH"))
+    assert linear.resolve_linear_backend("auto", "cpu", torch.bfloat16) == "fp32-kmajor"
+    with pytest.raises(ValueError, match="no C compiler"):
+        linear.resolve_linear_backend("bf16-kernel", "cpu", torch.bfloat16)
+    model = build("llama").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="no C compiler"):
+        Target(model, batch_invariant=True)
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        cpu_kernels.linear_bf16(torch.randn(2, 64), torch.randn(8, 64).bfloat16())
+    out = treespec.generate(Target(model), [[5, 6, 7]], max_new_tokens=4)  # still runs, on PyTorch's kernels
+    assert len(out.sequences[0]) == 4
+
+
+@needs_kernels
+def test_kernel_layer_falls_back_to_the_layer_itself():
+    """One row or several: the kernel, the same bits; fp32 weights and gradients take
+    nn.functional.linear."""
+    torch.manual_seed(0)
+    layer = nn.Linear(24, 16).bfloat16()
+    view = linear.Bf16KernelLinear(layer)
+    x = torch.randn(3, 24).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(view(x), cpu_kernels.linear_bf16(x, layer.weight, layer.bias))
+        assert torch.equal(view(x[:1]), view(x)[:1])
+    view(x).float().sum().backward()  # gradients flow through the native layer
+    assert layer.weight.grad is not None
+    wide = nn.Linear(24, 16)
+    with torch.inference_mode():
+        assert torch.equal(linear.Bf16KernelLinear(wide)(x.float()), wide(x.float()))
+
+
+def tree_case(dtype=torch.bfloat16):
+    """Two requests on a 4-slot cache: a 4-node tree (parents -1, 0, 0, 1) and a 3-token chain."""
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 4, 3, 40, 24).to(dtype)  # odd head_dim: the kernel's tails
+    q = torch.randn(7, 6, 24).to(dtype)
+    cu_q, slots, prefix = torch.tensor([0, 4, 7]), torch.tensor([2, 0]), torch.tensor([10, 20])
+    tree_mask = torch.tensor([[1], [3], [5], [11], [1], [3], [7]], dtype=torch.int32)
+    return q, k_cache, v_cache, cu_q, slots, prefix, tree_mask
+
+
+@needs_kernels
+def test_attention_matches_the_specification_and_is_batch_invariant():
+    q, k_cache, v_cache, cu_q, slots, prefix, tree_mask = tree_case()
+    out = tree_attention(q, k_cache, v_cache, cu_q, slots, prefix, tree_mask, sm_scale=0.2, backend="cpu")
+    want = tree_attention_naive(q.double(), k_cache.double(), v_cache.double(), cu_q, slots, prefix, tree_mask,
+                                sm_scale=0.2)  # fmt: skip
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2**-7)
+    causal = tree_attention(q, k_cache, v_cache, cu_q, slots, prefix, None, sm_scale=0.2, backend="cpu")
+    torch.testing.assert_close(
+        causal.double(), tree_attention_naive(q.double(), k_cache.double(), v_cache.double(), cu_q, slots, prefix,
+                                              None, sm_scale=0.2), atol=2e-2, rtol=2**-7)  # fmt: skip
+    # The tree's request without the chain beside it: the same bits.
+    alone = tree_attention(q[:4], k_cache, v_cache, cu_q[:2], slots[:1], prefix[:1], tree_mask[:4], sm_scale=0.2,
+                           backend="cpu")  # fmt: skip
+    assert torch.equal(alone, out[:4])
+    # Node 3 (path 0 -> 1 -> 3) as an autoregressive step would score it: nodes 0 and 1 committed,
+    # node 3's K/V at the next position, one row: the same bits as among the tree's rows.
+    k_ar, v_ar = k_cache.clone(), v_cache.clone()
+    k_ar[2, :, 12], v_ar[2, :, 12] = k_cache[2, :, 13], v_cache[2, :, 13]
+    single = tree_attention(q[3:4], k_ar, v_ar, torch.tensor([0, 1]), slots[:1], prefix[:1] + 2, None, sm_scale=0.2,
+                            backend="cpu")  # fmt: skip
+    assert torch.equal(single, out[3:4])
+    # the same through the PyTorch reference: summation orders differ, so bits may (this is the bug
+    # the kernel fixes); only closeness holds there
+    torch.testing.assert_close(
+        tree_attention_ref(q[3:4], k_ar, v_ar, torch.tensor([0, 1]), slots[:1], prefix[:1] + 2, None, sm_scale=0.2),
+        single, atol=2e-2, rtol=2**-7)  # fmt: skip
+
+
+@needs_kernels
+def test_attention_hands_what_it_cannot_serve_to_the_reference():
+    """A window, a soft-cap or fp32 inputs: the PyTorch reference computes them, no crash."""
+    q, k_cache, v_cache, cu_q, slots, prefix, tree_mask = tree_case(torch.float32)
+    positions = torch.tensor([10, 11, 11, 12, 20, 21, 22], dtype=torch.int32)
+    for kwargs in (dict(), dict(window=4, q_positions=positions), dict(softcap=5.0)):
+        got = tree_attention(q, k_cache, v_cache, cu_q, slots, prefix, tree_mask, sm_scale=0.2, backend="cpu",
+                             **kwargs)  # fmt: skip
+        want = tree_attention_ref(q, k_cache, v_cache, cu_q, slots, prefix, tree_mask, sm_scale=0.2, **kwargs)
+        assert torch.equal(got, want)
+    q, k_cache, v_cache, *rest = tree_case()
+    windowed = tree_attention(q, k_cache, v_cache, *rest, sm_scale=0.2, backend="cpu", window=4,
+                              q_positions=positions)  # fmt: skip
+    assert torch.equal(windowed, tree_attention_ref(q, k_cache, v_cache, *rest, sm_scale=0.2, window=4,
+                                                    q_positions=positions))  # fmt: skip
+
+
+def test_batch_invariant_mode_is_on_where_it_can_be_and_refused_with_a_reason():
+    bf16 = build("llama").to(torch.bfloat16)
+    assert Target(bf16).batch_invariant is cpu_kernels.available()  # the default: wherever it can be
+    assert not Target(build("llama")).batch_invariant  # fp32: not needed to match HF, not served
+    assert not Target(bf16, linear_backend="native").batch_invariant  # a backend chosen by hand
+    assert not Target(bf16, batch_invariant=False).batch_invariant
+    with pytest.raises(ValueError, match="needs a bf16 model on a CPU"):
+        Target(build("llama"), batch_invariant=True)  # fp32
+    if cpu_kernels.available():
+        with pytest.raises(ValueError, match="takes attention 'cpu'"):
+            Target(bf16, batch_invariant=True, attention_backend="reference")
+        with pytest.raises(ValueError, match="sliding window"):
+            Target(build("gemma3").to(torch.bfloat16), batch_invariant=True)
+        assert not Target(build("gemma3").to(torch.bfloat16)).batch_invariant
+
+
+@needs_kernels
+def test_bf16_speculation_gives_the_autoregressive_tokens_when_batch_invariant():
+    """The target drafts for itself (every step scores a 6-node tree and accepts most of it), and
+    n-grams, in bf16, three prompts in one batch: with batch invariance the tokens are the
+    autoregressive run's, token for token. With fp32-kmajor layers for the trees (and PyTorch's
+    kernel for single rows), this model's draft run departs from its autoregressive one."""
+    model = build("llama", seed=4, hidden_size=256, intermediate_size=1024).to(torch.bfloat16)
+    prompts = [[5, 9, 2, 7, 7, 3], [11, 12, 13, 11, 12, 13, 11], [40, 41, 42, 43] * 3]
+
+    def runs(target):
+        plain = treespec.generate(target, prompts, max_new_tokens=40)
+        draft = DraftModelProposer(copy.deepcopy(model), target_model=model, dynamic=(2, 4, 6))
+        drafted = treespec.generate(target, prompts, max_new_tokens=40, proposer=draft)
+        ngram = treespec.generate(
+            target, prompts, max_new_tokens=40, proposer=NgramProposer(max_depth=4, max_nodes=8)
+        )
+        assert (
+            drafted.stats.steps < plain.stats.steps and ngram.stats.steps < plain.stats.steps
+        )  # trees accepted
+        return plain.sequences, drafted.sequences, ngram.sequences
+
+    target = Target(model, batch_invariant=True)
+    assert (target.attention_backend, target.linear_backend) == ("cpu", "bf16-kernel")
+    plain, drafted, ngram = runs(target)
+    assert drafted == plain and ngram == plain
+    plain, drafted, _ = runs(Target(model, linear_backend="fp32-kmajor"))
+    assert drafted != plain
+
+
+def tree_and_paths_logits(target: Target) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Logits of a 5-node tree scored in one forward (root 7; 7 -> 3, 7 -> 9; 3 -> 4; 4 -> 8) after
+    a prompt, and of each node scored as an autoregressive step would (its path committed, one
+    row)."""
+    prompt = torch.tensor([5, 9, 2, 7, 7, 3, 11, 30])
+    tokens, parents = [7, 3, 9, 4, 8], [-1, 0, 0, 1, 3]
+    from treespec.tree import TokenTree
+
+    tree = TokenTree.from_lists([tokens], [parents])
+    cache = target.new_cache(1, 64)
+    slot = torch.tensor([cache.allocate()])
+    target.forward(prompt, cache, torch.tensor([0, len(prompt)]), slot, return_hidden=False)
+    cache.commit([int(slot)], [list(range(len(prompt)))])
+    scored = target.forward(tree.tokens, cache, torch.tensor([0, 5]), slot, tree_mask=tree.tree_mask,
+                            depth=tree.depth, return_hidden=False).logits  # fmt: skip
+    alone = {}
+    for node in range(5):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path = path[::-1]
+        ar_cache = target.new_cache(1, 64)
+        ar_slot = torch.tensor([ar_cache.allocate()])
+        for token in torch.cat([prompt, torch.tensor([tokens[n] for n in path])]).tolist():
+            logits = target.forward(torch.tensor([token]), ar_cache, torch.tensor([0, 1]), ar_slot,
+                                    return_hidden=False).logits  # fmt: skip
+            ar_cache.commit([int(ar_slot)], [[0]])
+        alone[node] = logits[0]
+    return scored, alone
+
+
+@needs_kernels
+def test_batch_invariant_tree_logits_equal_the_autoregressive_steps_bit_for_bit():
+    """Every node's logits from one tree forward equal those of the autoregressive steps over its
+    path, bit for bit, in bf16; with fp32-kmajor layers for several rows they differ (the
+    summation orders do)."""
+    model = build("llama", seed=4, hidden_size=256, intermediate_size=1024).to(torch.bfloat16)
+    scored, alone = tree_and_paths_logits(Target(model, batch_invariant=True))
+    for node, logits in alone.items():
+        assert torch.equal(scored[node], logits), node
+    scored, alone = tree_and_paths_logits(Target(model, linear_backend="fp32-kmajor"))
+    assert not all(torch.equal(scored[node], logits) for node, logits in alone.items())
+
+
+@needs_kernels
+def test_sibling_projections_run_as_one_call_with_the_same_bits():
+    """q/k/v and gate/up of each layer form groups in a kernel view; a group's outputs are the bits
+    of separate calls, a member called on another tensor computes alone, and a member whose
+    weight the kernel cannot read sends the group back to separate products."""
+    model = build("llama", hidden_size=256, intermediate_size=1024).to(torch.bfloat16)
+    view = linear.module_view(model, "bf16-kernel")
+    attention, mlp = view.model.layers[0].self_attn, view.model.layers[0].mlp
+    assert attention.q_proj.group is attention.k_proj.group is attention.v_proj.group is not None
+    assert mlp.gate_proj.group is mlp.up_proj.group is not None and mlp.down_proj.group is None
+    torch.manual_seed(0)
+    x = torch.randn(5, 256).bfloat16()
+    with torch.inference_mode():
+        for rows in (x[:1], x):
+            fused = [attention.q_proj(rows), attention.k_proj(rows), attention.v_proj(rows)]
+            separate = [cpu_kernels.linear_bf16(rows, m.weight, m.bias) for m in (model.model.layers[0].self_attn.q_proj,
+                        model.model.layers[0].self_attn.k_proj, model.model.layers[0].self_attn.v_proj)]  # fmt: skip
+            assert all(torch.equal(a, b) for a, b in zip(fused, separate, strict=True))
+        group = attention.q_proj.group
+        assert not group._pending and group._input is None  # everything handed out, nothing held
+        attention.q_proj(x)
+        other = x.clone()
+        assert torch.equal(attention.k_proj(other), separate[1])  # another tensor: computed alone
+        assert torch.equal(attention.v_proj(x), separate[2])  # still waiting for x: handed out
+    model.model.layers[0].mlp.up_proj.float()  # one member in fp32: the group computes separately
+    with torch.inference_mode():
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x.float())
+    assert up.dtype == torch.float32 and torch.equal(gate, cpu_kernels.linear_bf16(x, mlp.gate_proj.weight))

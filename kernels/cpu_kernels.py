@@ -75,6 +75,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             if result.returncode != 0:
                 return None, f"building {SOURCE.name} failed: {result.stderr.strip()[-500:]}"
             os.replace(built, library)  # atomic: a concurrent build never sees half a file
+        for stale in library.parent.glob("treespec_cpu_kernels_*.so"):  # builds of earlier sources
+            if stale != library:
+                stale.unlink(missing_ok=True)  # a process that loaded one keeps its mapping
     try:
         lib = ctypes.CDLL(str(library))  # libgomp.so.1 resolves to the one torch already loaded
     except OSError as error:

@@ -144,6 +144,8 @@ def test_bad_input(tmp_path, capsys):
         BenchConfig(budget="64")
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         BenchConfig(linear_backend="fast")
+    with pytest.raises(ValueError, match="draft_vocab must be >= 0"):
+        BenchConfig(draft_vocab=-1)
     assert main(["bench", "--proposer", "magic"]) == 2
     assert "unknown method" in capsys.readouterr().err
     tiny_model_folder(tmp_path)

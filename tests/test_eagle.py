@@ -461,3 +461,41 @@ def test_auto_proposer_uses_the_shipped_head_of_the_model(tmp_path, monkeypatch)
     assert out.sequences == want
     with pytest.raises(ValueError, match='"auto"'):
         treespec.generate(model, PROMPTS[:1], proposer="eagle")
+
+
+def test_a_reduced_readout_drafts_only_its_tokens_and_keeps_the_output():
+    """An EAGLE-1 head reading out through 40 of the 128 rows of the target's LM head drafts only
+    those tokens, the output stays the target's, and bad id lists are refused."""
+    from conftest import hf_greedy
+
+    import treespec
+
+    model = build("llama")
+    ids = list(range(0, 80, 2))
+    proposer = EagleProposer(random_head(model), model, depth=3, top_k=4, total_tokens=12, readout_ids=ids)
+    drafted = set()
+    original = proposer.propose
+
+    def recording(requests):
+        tree = original(requests)
+        roots = set(tree.cu_nodes[:-1].tolist())
+        drafted.update(t for i, t in enumerate(tree.tokens.tolist()) if i not in roots)
+        return tree
+
+    proposer.propose = recording
+    prompt = [5, 9, 2, 7, 7, 3]
+    out = treespec.generate(model, [prompt], max_new_tokens=16, proposer=proposer)
+    assert out.sequences[0] == hf_greedy(model, prompt, 16)
+    assert drafted and drafted <= set(ids)
+    for bad, message in (
+        ([], "non-empty"),
+        ([3, 3, 4, 5], "distinct"),
+        ([1, 2, 500], r"\[0, 128\)"),
+        ([1, 2], "top_k"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            EagleProposer(random_head(model), model, depth=3, top_k=4, total_tokens=12, readout_ids=bad)
+    with pytest.raises(ValueError, match="EAGLE-1"):
+        EagleProposer(
+            random_head(model, eagle3=True), model, depth=3, top_k=4, total_tokens=12, readout_ids=ids
+        )

@@ -67,6 +67,7 @@ class BenchConfig:
     device: str = "cpu"
     budget: str = "adaptive"  # "fixed": the proposers' own sizes (31 drafted nodes); "N": N nodes every step
     linear_backend: str = "auto"  # treespec's target (treespec.linear); the HF baselines run natively
+    draft_vocab: int = 8192  # EAGLE-1 heads read out through the first N token ids (0: the whole vocabulary)
     heads: tuple[tuple[str, str], ...] = ()  # (kind, folder or registered name): overrides the shipped heads
     json: str | None = None
     plot: str | None = None
@@ -94,8 +95,8 @@ class BenchConfig:
         for name in ("max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature < 0 or self.warmup < 0:
-            raise ValueError("temperature and warmup must be >= 0")
+        if self.temperature < 0 or self.warmup < 0 or self.draft_vocab < 0:
+            raise ValueError("temperature, warmup and draft_vocab must be >= 0")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -147,9 +148,11 @@ class Components:
         if method == "ngram":
             return NgramProposer(max_depth=8, max_nodes=32, token_cost=0.3)
         linear = self.config.linear_backend  # heads read out with the target's linear backend
+        readout = self._readout("eagle") if method in ("eagle", "hybrid") else None
         if method == "eagle":
             inner = EagleProposer(self.head("eagle", for_what="method 'eagle'"), self.model, depth=6, top_k=8,
-                                  total_tokens=31, max_batch_size=batch, linear_backend=linear)  # fmt: skip
+                                  total_tokens=31, max_batch_size=batch, linear_backend=linear,
+                                  readout_ids=readout)  # fmt: skip
         elif method == "medusa":
             inner = MedusaProposer(self.head("medusa", for_what="method 'medusa'"), self.model, dynamic=(8, 31),
                                    linear_backend=linear)  # fmt: skip
@@ -158,11 +161,21 @@ class Components:
                                        dynamic=(4, 6, 31), max_batch_size=batch, linear_backend=linear)  # fmt: skip
         else:  # hybrid
             eagle = EagleProposer(self.head("eagle", for_what="method 'hybrid'"), self.model, depth=6, top_k=8,
-                                  total_tokens=24, max_batch_size=batch, linear_backend=linear)  # fmt: skip
+                                  total_tokens=24, max_batch_size=batch, linear_backend=linear,
+                                  readout_ids=readout)  # fmt: skip
             return HybridProposer(
                 self._adaptive(eagle), NgramProposer(max_depth=8, max_nodes=8, token_cost=0.3)
             )
         return self._adaptive(inner)
+
+    def _readout(self, kind: str) -> range | None:
+        """The reduced read-out of an EAGLE-1 head (``draft_vocab`` first ids), or None: the whole
+        vocabulary, or an EAGLE-3 head with its own."""
+        head = self.head(kind, for_what=f"method {kind!r}")
+        vocab = head.config.vocab_size
+        if head.config.eagle3 or not self.config.draft_vocab or self.config.draft_vocab >= vocab:
+            return None
+        return range(self.config.draft_vocab)
 
     def _adaptive(self, proposer):
         if self.config.budget == "fixed":

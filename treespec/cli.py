@@ -136,6 +136,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--batch-size", type=int, default=1)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--warmup", type=int, default=1, help="warm-up runs of every method (short)")
+    bench.add_argument("--draft-vocab", type=int, default=8192, metavar="N",
+                       help="EAGLE-1 heads read out through the first N token ids, roughly the most frequent "
+                            "in a BPE vocabulary (0: all; default: %(default)s)")  # fmt: skip
     bench.add_argument("--budget", default="adaptive", metavar="adaptive|fixed|N",
                        help="tree size per step: chosen from measured costs and acceptance (adaptive), the "
                        "proposers' own 31 nodes (fixed), or N drafted nodes every step (1 to 31)")  # fmt: skip
@@ -169,7 +172,7 @@ def _bench(args: argparse.Namespace) -> int:
         model=args.model, proposers=tuple(args.proposer), baselines=tuple(args.baselines), prompts=args.prompts,
         num_prompts=args.num_prompts, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         dtype=args.dtype, temperature=args.temperature, batch_size=args.batch_size, seed=args.seed,
-        warmup=args.warmup, budget=args.budget, linear_backend=args.linear_backend, json=args.json, plot=args.plot, device=args.device,
+        warmup=args.warmup, budget=args.budget, linear_backend=args.linear_backend, draft_vocab=args.draft_vocab, json=args.json, plot=args.plot, device=args.device,
         heads=tuple(_kind_path(h) for h in args.heads),
     )  # fmt: skip
     run(config)

@@ -22,7 +22,10 @@ so the deterministic-children rule verifies them losslessly at any temperature.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from treespec import linear
@@ -57,12 +60,20 @@ class EagleProposer(Proposer):
         max_len: int | None = None,
         attention_backend: str = "auto",
         linear_backend: str = "auto",
+        readout_ids: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
         """``total_tokens`` drafted nodes at most (the root not counted), ``depth`` levels, each
         expansion keeping the ``top_k`` best children of the ``top_k`` best frontier nodes.
         ``max_batch_size`` requests at once (the engine admits no more). ``linear_backend`` as
         for the Target (:mod:`treespec.linear`): the head and the target's LM head it reads out
-        through run as views with that backend; the modules passed in are left untouched."""
+        through run as views with that backend; the modules passed in are left untouched.
+
+        ``readout_ids``: an EAGLE-1 head reads out through these rows of the target's LM head
+        only (a reduced draft vocabulary, as EAGLE-3 heads have their own): every level's
+        read-out costs that fraction of the full one, and a token outside it is never drafted
+        (the output is the target's either way). ``range(n)`` takes the first n ids, which a BPE
+        tokenizer numbers roughly by frequency (docs/benchmark.md measures what they cover). The
+        rows are copied once (n x hidden values)."""
         config = head.config
         target_config = target_model.config.get_text_config()
         target_vocab = target_model.get_output_embeddings().weight.shape[0]
@@ -98,6 +109,9 @@ class EagleProposer(Proposer):
         self.hidden_layers = layers  # the engine hands these layers' inputs over (EAGLE-3)
         self.embed = target_model.get_input_embeddings()
         self.lm_head = linear.module_view(target_model.get_output_embeddings(), backend)
+        self.readout_ids = None
+        if readout_ids is not None:
+            self.readout_ids, self.lm_head = self._reduced_readout(readout_ids, config, target_vocab, backend)
         self.backend = resolve_backend(attention_backend, weight.device)
         max_len = max_len or min(4096, getattr(target_config, "max_position_embeddings", 4096) or 4096)
         drafted = 1 + (depth - 1) * top_k  # nodes run through the head per step, root pair included
@@ -163,6 +177,39 @@ class EagleProposer(Proposer):
                 trees[b] = (tree.tokens[cu[i] : cu[i + 1]].tolist(), tree.parents[cu[i] : cu[i + 1]].tolist())
         return TokenTree.from_lists([t[0] for t in trees], [t[1] for t in trees])
 
+    def _reduced_readout(
+        self, readout_ids: Sequence[int] | torch.Tensor, config, target_vocab: int, backend: str
+    ) -> tuple[torch.Tensor, nn.Module]:
+        """(the ids, a linear layer over those rows of the target's LM head), checked."""
+        if config.eagle3:
+            raise ValueError(
+                "readout_ids is for EAGLE-1 heads: an EAGLE-3 head reads out through its own layer"
+            )
+        ids = torch.as_tensor(list(readout_ids) if not torch.is_tensor(readout_ids) else readout_ids)
+        if ids.dim() != 1 or len(ids) == 0 or ids.dtype.is_floating_point:
+            raise ValueError(
+                f"readout_ids must be a non-empty 1-D list of token ids, got {tuple(ids.shape)} {ids.dtype}"
+            )
+        ids = ids.long()
+        if int(ids.min()) < 0 or int(ids.max()) >= target_vocab or len(ids.unique()) != len(ids):
+            raise ValueError(f"readout_ids must be distinct token ids in [0, {target_vocab}), got min {int(ids.min())}, "
+                             f"max {int(ids.max())}, {len(ids) - len(ids.unique())} repeated")  # fmt: skip
+        if len(ids) < self.top_k:
+            raise ValueError(f"readout_ids holds {len(ids)} tokens, fewer than top_k={self.top_k}")
+        full = self.lm_head.weight
+        rows = nn.Linear(full.shape[1], len(ids), bias=False, dtype=full.dtype, device=full.device)
+        with torch.no_grad():
+            rows.weight.copy_(full[ids.to(full.device)])
+        return ids.to(full.device), linear.module_view(rows, backend).eval()
+
+    def _log_probs(self, h: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities over the target's vocabulary [T, V] (-inf outside a reduced read-out)."""
+        if self.readout_ids is None:
+            return self.head.log_probs(h, self.lm_head)
+        logprobs = torch.log_softmax(self.lm_head(h).float(), dim=-1)
+        full = logprobs.new_full((logprobs.shape[0], self.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.readout_ids, logprobs)
+
     def _draft(self, requests: list[ProposalRequest], root_features: torch.Tensor, depth: int) -> TokenTree:
         """One EAGLE-2 tree of ``depth`` levels per request, all of them the same depth."""
         if depth < 1:
@@ -170,7 +217,7 @@ class EagleProposer(Proposer):
         ids = [r.request_id for r in requests]
         k = self.top_k
         num_nodes = min(self.total_tokens, dynamic_capacity(k, depth))
-        root_logprobs = self.head.log_probs(root_features, self.lm_head)  # [B, V]
+        root_logprobs = self._log_probs(root_features)  # [B, V]
         device = root_features.device
         slots = torch.tensor([self._slot[i] for i in ids], device=device)
         drafted_parents: list[list[int]] = [[] for _ in ids]  # per request, per node run: parent's run index
@@ -187,7 +234,7 @@ class EagleProposer(Proposer):
             run_parents = torch.where(parent_slots >= 0, (step - 2) * k + parent_slots, NO_PARENT)  # [B, K]
             h = self._run_level(slots, frontier_tokens, features, drafted_parents, run_parents, step)
             outputs.append(h)
-            return self.head.log_probs(h.flatten(0, 1), self.lm_head).view(len(ids), k, -1)
+            return self._log_probs(h.flatten(0, 1)).view(len(ids), k, -1)
 
         roots = torch.tensor([r.tokens[-1] for r in requests], device=device)
         return build_dynamic_tree(roots, root_logprobs, expand, top_k=k, depth=depth, num_nodes=num_nodes)

@@ -72,6 +72,18 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
         }
 }
 
+/* R rows of x against all C <= 4 weight rows at once (C known only at run time: one tile per C). */
+static inline __attribute__((always_inline)) void all_columns(const float *x, const uint16_t *w, const float *bias,
+                                                              float *y, int64_t N, int64_t K, const int R, int C,
+                                                              const char *prefetch) {
+    switch (C) {
+        case 4: tile(x, w, bias, y, N, K, R, 4, prefetch); break;
+        case 3: tile(x, w, bias, y, N, K, R, 3, prefetch); break;
+        case 2: tile(x, w, bias, y, N, K, R, 2, prefetch); break;
+        default: tile(x, w, bias, y, N, K, R, 1, prefetch); break;
+    }
+}
+
 /* Rows m0..m1 of x against C <= 4 consecutive rows of W. Tiles of 4 x rows take the weight rows
  * two at a time (16 registers would not hold 4 x 4 accumulators); the last one to three rows take
  * them all at once (more independent accumulators for the one-row step, which is latency-bound
@@ -92,24 +104,8 @@ static void block_rows(const float *x, const uint16_t *w, const float *bias, flo
             else
                 tile(x + m * K, w + c * K, bias ? bias + c : 0, y + m * N + c, N, K, 4, 1, pf);
         }
-    for (; m + 2 <= m1; m += 2) {
-        const char *pf = m == m0 ? next : 0;
-        switch (C) {
-            case 4: tile(x + m * K, w, bias, y + m * N, N, K, 2, 4, pf); break;
-            case 3: tile(x + m * K, w, bias, y + m * N, N, K, 2, 3, pf); break;
-            case 2: tile(x + m * K, w, bias, y + m * N, N, K, 2, 2, pf); break;
-            default: tile(x + m * K, w, bias, y + m * N, N, K, 2, 1, pf); break;
-        }
-    }
-    for (; m < m1; m++) {
-        const char *pf = m == m0 ? next : 0;
-        switch (C) {
-            case 4: tile(x + m * K, w, bias, y + m * N, N, K, 1, 4, pf); break;
-            case 3: tile(x + m * K, w, bias, y + m * N, N, K, 1, 3, pf); break;
-            case 2: tile(x + m * K, w, bias, y + m * N, N, K, 1, 2, pf); break;
-            default: tile(x + m * K, w, bias, y + m * N, N, K, 1, 1, pf); break;
-        }
-    }
+    for (; m + 2 <= m1; m += 2) all_columns(x + m * K, w, bias, y + m * N, N, K, 2, C, m == m0 ? next : 0);
+    for (; m < m1; m++) all_columns(x + m * K, w, bias, y + m * N, N, K, 1, C, m == m0 ? next : 0);
 }
 
 static inline float widen_one(uint16_t h) {

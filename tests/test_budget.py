@@ -69,6 +69,11 @@ def test_cost_model_interpolates_and_measures():
     assert curve.sizes == [1, 8, 16, 64] and curve.seconds == [1.0, 4.0, 20.0, 20.0]
     curve.update(2, 0.5)
     assert curve.sizes == [1, 2, 8, 16, 64] and curve.seconds == [0.5, 0.5, 4.0, 20.0, 20.0]
+    # the n-gram proposer's token cost: the mean slope over the first drafted tokens, per plain step
+    gentle = CostModel([1, 5, 10, 20], [1.0, 1.4, 2.0, 4.0])
+    assert gentle.token_cost() == pytest.approx(0.1)  # 4 drafted tokens cost 0.4 of a plain step
+    assert gentle.token_cost(batch_size=2, drafted=4) == pytest.approx((2.0 - 1.1) / (4 * 1.1))
+    assert CostModel([1, 8], [1.0, 1.0]).token_cost() == 0.0
 
 
 def test_adaptive_proposer_keeps_output_exact_and_adapts():

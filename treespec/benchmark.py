@@ -120,6 +120,7 @@ class Components:
         self.shipped = {**heads.shipped_for(config.model), **dict(config.heads)}
         self._heads: dict[str, object] = {}
         self.cost_model = None
+        self._proposers: dict[str, object] = {}
 
     def head(self, kind: str, *, for_what: str):
         key = (kind, for_what == "hf-assisted")  # HF's copy and treespec's each get their own
@@ -141,12 +142,20 @@ class Components:
         return BudgetChooser(self.cost_model)
 
     def proposer(self, method: str):
-        """A fresh proposer for one run of ``method`` (None for the autoregressive reference)."""
+        """The proposer of ``method`` (None for the autoregressive reference), one for the whole
+        run: what an adaptive budget has learned (acceptance rates, measured throughput, probe
+        waits) carries from prompt to prompt, as in a server that keeps its engine; per-request
+        state is released as each request finishes."""
+        if method not in self._proposers:
+            self._proposers[method] = self._new_proposer(method)
+        return self._proposers[method]
+
+    def _new_proposer(self, method: str):
         batch = self.config.batch_size
         if method == "none":
             return None
         if method == "ngram":
-            return NgramProposer(max_depth=8, max_nodes=32, token_cost=0.3)
+            return NgramProposer(max_depth=8, max_nodes=32, token_cost=self.token_cost())
         linear = self.config.linear_backend  # heads read out with the target's linear backend
         readout = self._readout("eagle") if method in ("eagle", "hybrid") else None
         if method == "eagle":
@@ -164,9 +173,16 @@ class Components:
                                   total_tokens=24, max_batch_size=batch, linear_backend=linear,
                                   readout_ids=readout)  # fmt: skip
             return HybridProposer(
-                self._adaptive(eagle), NgramProposer(max_depth=8, max_nodes=8, token_cost=0.3)
+                self._adaptive(eagle), NgramProposer(max_depth=8, max_nodes=8, token_cost=self.token_cost())
             )
         return self._adaptive(inner)
+
+    def token_cost(self) -> float:
+        """The n-gram proposers' cost of a drafted token: from this machine's measured cost curve
+        with the adaptive budget (the same curve the heads' budget uses), 0.3 with fixed budgets."""
+        if self.config.budget != "adaptive":
+            return 0.3
+        return self.budget_chooser().forward_cost.token_cost(self.config.batch_size)
 
     def _readout(self, kind: str) -> range | None:
         """The reduced read-out of an EAGLE-1 head (``draft_vocab`` first ids), or None: the whole

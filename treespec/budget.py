@@ -76,6 +76,13 @@ class CostModel:
             + [max(t, fresh) for t in self.seconds[i + 1 :]]
         )
 
+    def token_cost(self, batch_size: int = 1, drafted: int = 4) -> float:
+        """What one more drafted token per request costs, as a fraction of a step without one:
+        the curve's mean slope over the first ``drafted`` tokens per request (the n-gram
+        proposer's ``token_cost``, measured instead of guessed)."""
+        base = self(batch_size)
+        return max(0.0, (self(batch_size * (1 + drafted)) - base) / (drafted * base))
+
     def relative(self) -> dict[int, float]:
         """Cost of each measured size relative to one token."""
         one = self(1)

@@ -120,7 +120,6 @@ class Components:
         self.shipped = {**heads.shipped_for(config.model), **dict(config.heads)}
         self._heads: dict[str, object] = {}
         self.cost_model = None
-        self._proposers: dict[str, object] = {}
 
     def head(self, kind: str, *, for_what: str):
         key = (kind, for_what == "hf-assisted")  # HF's copy and treespec's each get their own
@@ -142,15 +141,9 @@ class Components:
         return BudgetChooser(self.cost_model)
 
     def proposer(self, method: str):
-        """The proposer of ``method`` (None for the autoregressive reference), one for the whole
-        run: what an adaptive budget has learned (acceptance rates, measured throughput, probe
-        waits) carries from prompt to prompt, as in a server that keeps its engine; per-request
-        state is released as each request finishes."""
-        if method not in self._proposers:
-            self._proposers[method] = self._new_proposer(method)
-        return self._proposers[method]
-
-    def _new_proposer(self, method: str):
+        """A fresh proposer for one run of ``method`` (None for the autoregressive reference).
+        Fresh, not kept across prompts: kept, the heads' acceptance learned on earlier prompts
+        chose larger trees that lost (docs/benchmark.md)."""
         batch = self.config.batch_size
         if method == "none":
             return None

@@ -217,22 +217,48 @@ def children_table(tree: TokenTree) -> torch.Tensor:
 def _verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> VerifyOutput:
     """Walk down, moving to the child whose token is the target's argmax at the current node.
 
-    Only the rows on the walked path are reduced, not all T rows: one [B, V] argmax per level.
-    """
-    children = children_table(tree)
-    child_tokens = torch.where(children >= 0, tree.tokens[children.clamp(min=0)], NO_NODE)  # [T, C]
-    current = tree.cu_nodes[:-1].clone()  # [B] global index of each request's current node
-    walking = torch.ones(tree.num_requests, dtype=torch.bool, device=current.device)
-    bonus = torch.zeros_like(current)
-    while bool(walking.any()):  # host sync per level
-        best = target_logits[current].argmax(-1)  # [B]
-        match = child_tokens[current] == best[:, None]  # [B, C]; distinct siblings: at most one
-        found = walking & match.any(-1)
-        bonus = torch.where(walking & ~found, best, bonus)
-        next_node = children[current, match.int().argmax(-1)]
-        walking = found
-        current = torch.where(found, next_node, current)
-    return _finish(tree, current, bonus)
+    The walk runs on the host. On a CPU each visited node's row is reduced when the walk reaches
+    it (a few rows per request); elsewhere every row is reduced at once and moved to the host in
+    one synchronisation. Either way a step no longer pays a dozen small tensor operations per
+    level (about 1 ms per step on a CPU before)."""
+    if target_logits.device.type == "cpu":
+        rows: dict[int, int] = {}
+
+        def argmax(row: int) -> int:
+            if row not in rows:
+                rows[row] = int(target_logits[row].argmax())
+            return rows[row]
+    else:
+        every = target_logits.argmax(-1).tolist()  # host sync
+
+        def argmax(row: int) -> int:
+            return every[row]
+
+    tokens, parents, cu = tree.tokens.tolist(), tree.parents.tolist(), tree.cu_nodes.tolist()
+    accepted: list[int] = []
+    num_accepted: list[int] = []
+    bonus: list[int] = []
+    for b in range(len(cu) - 1):
+        start, end = cu[b], cu[b + 1]
+        children: dict[tuple[int, int], int] = {}  # (parent, token) -> first such child, node order
+        for j in range(1, end - start):
+            children.setdefault((parents[start + j], tokens[start + j]), j)
+        path = [0]
+        while (path[-1], argmax(start + path[-1])) in children:
+            path.append(children[(path[-1], argmax(start + path[-1]))])
+        accepted.extend(path)
+        num_accepted.append(len(path) - 1)
+        bonus.append(argmax(start + path[-1]))
+    device = target_logits.device
+    cu_accepted = [0]
+    for n in num_accepted:
+        cu_accepted.append(cu_accepted[-1] + n + 1)
+    return VerifyOutput(
+        torch.tensor(accepted, dtype=torch.long, device=device),
+        torch.tensor(cu_accepted, dtype=torch.long, device=device),
+        torch.tensor(num_accepted, dtype=torch.long, device=device),
+        torch.tensor(bonus, dtype=torch.long, device=device),
+    )
 
 
 def _deepest_kept(tree: TokenTree, kept: torch.Tensor, request: torch.Tensor) -> torch.Tensor:

@@ -680,7 +680,9 @@ def tree_attention_cpu(
 ) -> torch.Tensor:
     """The contract on treespec's batch-invariant CPU kernel. It serves bf16 q and caches with no
     window and no soft-cap; anything else takes :func:`tree_attention_ref` (same values up to
-    summation order). ``rows``: :func:`cpu_rows`, when the caller has built it once for a step."""
+    summation order). ``rows``: :func:`cpu_rows`, when the caller (a Target's step, whose
+    metadata the engine built) has made it once for the step; without it the inputs are checked
+    against the contract first, since the kernel reads them through raw pointers."""
     if (
         window is not None
         or softcap is not None
@@ -691,8 +693,13 @@ def tree_attention_cpu(
     ):
         return tree_attention_ref(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, sm_scale=sm_scale,
                                   window=window, softcap=softcap, q_positions=q_positions)  # fmt: skip
-    rows = rows if rows is not None else cpu_rows(cu_q, slots, prefix_lens)
-    return cpu_kernels.tree_attention_bf16(q, k_cache, v_cache, *rows, tree_mask, sm_scale)
+    if rows is None:
+        check_attention_inputs(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions)
+        if len(slots) and not 0 <= int(slots.min()) <= int(slots.max()) < k_cache.shape[0]:
+            raise ValueError(f"slots must lie in [0, {k_cache.shape[0]}), got {slots.tolist()}")
+        rows = cpu_rows(cu_q, slots, prefix_lens)
+    mask = None if tree_mask is None else tree_mask.to(torch.int32)
+    return cpu_kernels.tree_attention_bf16(q, k_cache, v_cache, *rows, mask, sm_scale)
 
 
 def tree_attention(

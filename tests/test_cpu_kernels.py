@@ -128,6 +128,19 @@ def test_attention_matches_the_specification_and_is_batch_invariant():
 
 
 @needs_kernels
+def test_attention_refuses_inputs_outside_the_contract():
+    """The kernel reads raw pointers: bad shapes or slots are refused before it runs."""
+    q, k_cache, v_cache, cu_q, slots, prefix, tree_mask = tree_case()
+    with pytest.raises(ValueError, match="cu_q"):
+        tree_attention(q, k_cache, v_cache, cu_q[:2], slots, prefix, tree_mask, sm_scale=0.2, backend="cpu")
+    with pytest.raises(ValueError, match="exceed the cache length"):
+        tree_attention(q, k_cache, v_cache, cu_q, slots, prefix + 40, tree_mask, sm_scale=0.2, backend="cpu")
+    with pytest.raises(ValueError, match="slots must lie in"):
+        tree_attention(q, k_cache, v_cache, cu_q, torch.tensor([2, 7]), prefix, tree_mask, sm_scale=0.2,
+                       backend="cpu")  # fmt: skip
+
+
+@needs_kernels
 def test_attention_hands_what_it_cannot_serve_to_the_reference():
     """A window, a soft-cap or fp32 inputs: the PyTorch reference computes them, no crash."""
     q, k_cache, v_cache, cu_q, slots, prefix, tree_mask = tree_case(torch.float32)

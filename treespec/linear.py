@@ -5,9 +5,9 @@ A tree step multiplies a handful of rows (the tree's nodes) by every weight matr
 one call per row; in bf16 on CPUs without native bf16 instructions (no AVX512-BF16 or AMX) it is
 slower still. The same product against an fp32 copy of the weight stored column-major
 (``x @ W^T`` with ``W^T`` contiguous) costs little more for 8 rows than for 1, which is what
-makes a tree cheap to verify. On the SmolLM2-135M target (bf16, 2 cores) a step of 8 new tokens
-costs 2.5-2.8x a single-token step natively and 1.7x this way; 64 tokens cost 7.5x and 3.8x
-(``docs/architecture.md``).
+made a tree cheap to verify on the AVX-512 machine of earlier measurements (SmolLM2-135M bf16: 8
+new tokens cost 1.7x a single-token step this way, 2.5-2.8x natively). On the AVX2 machine it
+loses at 2-8 rows (``docs/benchmark.md``).
 
 Nothing here changes the user's model. :func:`module_view` builds a *view*: a structural copy of
 a module tree whose modules are new objects sharing the original's parameters and buffers (the

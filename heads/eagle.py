@@ -57,7 +57,9 @@ class EagleConfig:
     # EAGLE-3: the three target layers whose inputs are fused (HF hidden_states indices); empty:
     # default_feature_layers of the target, resolved when the head meets it
     feature_layers: tuple[int, ...] = ()
-    draft_vocab_size: int | None = None  # EAGLE-3: reduced read-out vocabulary (None: the target's)
+    # reduced read-out vocabulary (None: the target's); EAGLE-3 reads out through its own layer,
+    # EAGLE-1 through these rows of the target's LM head (``d2t`` names them either way)
+    draft_vocab_size: int | None = None
     fc_bias: bool = False
     attention_bias: bool = False
 
@@ -79,12 +81,14 @@ class EagleConfig:
                     f"EAGLE-3 fuses three target layers, got feature_layers={self.feature_layers} "
                     "(or leave it empty for the target's default low / middle / high layers)"
                 )
-            if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
-                raise ValueError(
-                    f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}"
-                )
-        elif self.feature_layers or self.draft_vocab_size is not None:
-            raise ValueError("feature_layers and draft_vocab_size are EAGLE-3 options: set eagle3=True")
+        elif self.feature_layers:
+            raise ValueError("feature_layers is an EAGLE-3 option: set eagle3=True")
+        if self.draft_vocab_size is not None and not (
+            isinstance(self.draft_vocab_size, int) and 1 <= self.draft_vocab_size <= self.vocab_size
+        ):
+            raise ValueError(
+                f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size!r}"
+            )
         if self.hidden_act not in ACT2FN:
             raise ValueError(f"unknown hidden_act {self.hidden_act!r}")
 
@@ -224,6 +228,7 @@ class EagleHead(nn.Module):
         if config.eagle3:
             self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.lm_head = nn.Linear(config.hidden_size, config.readout_size, bias=False)
+        if config.eagle3 or config.draft_vocab_size is not None:
             # draft id i is target id i + d2t[i] (the published EAGLE-3 convention)
             self.register_buffer("d2t", torch.zeros(config.readout_size, dtype=torch.long))
 
@@ -258,6 +263,8 @@ class EagleHead(nn.Module):
         """Read-out [T, readout_size]: the target's LM head (EAGLE-1) or the head's own (EAGLE-3)."""
         if self.config.eagle3:
             return self.lm_head(self.norm(h))
+        if self.config.draft_vocab_size is not None:  # the rows d2t names (a proposer caches them)
+            return nn.functional.linear(h, target_lm_head.weight[self.target_ids()])
         return target_lm_head(h)
 
     def log_probs(self, h: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:

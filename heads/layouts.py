@@ -175,13 +175,16 @@ def export_published_eagle(
 ) -> Path:
     """Write ``head`` in the published layout (EAGLE-1 or EAGLE-3 by its config; safetensors), as
     vLLM and SGLang load it. EAGLE-3 records its feature layers (``target_num_layers`` resolves
-    the default ones of a head that has none)."""
+    the default ones of a head that has none). An EAGLE-1 head's reduced read-out is not part of
+    that layout: the exported head reads out through the whole vocabulary."""
     config = head.config
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     layer = "midlayer" if config.eagle3 else "layers.0"
     state = {}
     for key, tensor in head.state_dict().items():
+        if key == "d2t" and not config.eagle3:
+            continue
         name = f"{layer}.{key[len('layer.') :]}" if key.startswith("layer.") else key
         state[name] = tensor.detach().clone().contiguous()
     meta = {k: v for k, v in config.llama_config().to_dict().items() if k not in ("rope_parameters",)}

@@ -66,12 +66,12 @@ class MedusaHeads(nn.Module):
         """Shape: hidden [N, H] -> logits [N, K, V] (head i predicts the token i+1 after the next)."""
         if self.lm_heads is None and target_lm_head is None:
             raise ValueError("these Medusa heads read out through the target's LM head: pass target_lm_head")
-        outs = []
-        for i, blocks in enumerate(self.blocks):
-            features = blocks(hidden)
-            head = self.lm_heads[i] if self.lm_heads is not None else target_lm_head
-            outs.append(head(features))
-        return torch.stack(outs, dim=1)
+        if self.lm_heads is None:  # one read-out for every head: the LM head's weights are read once
+            features = torch.stack([blocks(hidden) for blocks in self.blocks], dim=1)  # [N, K, H]
+            return target_lm_head(features.flatten(0, 1)).unflatten(0, features.shape[:2])
+        return torch.stack(
+            [head(blocks(hidden)) for blocks, head in zip(self.blocks, self.lm_heads, strict=True)], 1
+        )
 
     def save(self, folder: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors`` into ``folder``."""

@@ -46,6 +46,7 @@ from treespec.proposers.base import Proposer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROPOSERS = ("ngram", "draft", "medusa", "eagle")
+BENCH_DRAFT_VOCAB = 8192
 BATCHING = "per request: n new tokens (or drafted nodes) for each of the B requests, B * n in the step"
 
 
@@ -62,6 +63,7 @@ class StepBenchConfig:
     warmup: int = 3
     attention_backend: str = "auto"  # the target's (and the draft model's): auto = Triton on CUDA
     linear_backends: tuple[str, ...] = ("auto",)  # one target per backend, measured side by side
+    draft_vocab: bool = True  # heads read out as treespec bench's default (--draft-vocab 8192)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -217,14 +219,20 @@ def make_proposer(kind: str, model, head, batch: int, budget: int, config: StepB
     if kind == "ngram":  # no settable budget: one proposer per size, as deep as the nodes allow
         return NgramProposer(max_depth=min(budget, 8), max_nodes=budget)
     linear = config.linear_backends[0]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    # treespec bench's default read-out: the first 8,192 ids, for heads without their own
+    readout = range(min(BENCH_DRAFT_VOCAB, vocab)) if config.draft_vocab else None
     if kind == "eagle":
+        own = head.config.eagle3 or head.config.draft_vocab_size is not None
         proposer = EagleProposer(head, model, depth=6, top_k=8, total_tokens=31, max_batch_size=batch,
-                                 attention_backend=config.attention_backend, linear_backend=linear)  # fmt: skip
+                                 attention_backend=config.attention_backend, linear_backend=linear,
+                                 readout_ids=None if own else readout)  # fmt: skip
     elif kind == "medusa":
-        proposer = MedusaProposer(head, model, dynamic=(8, 31), linear_backend=linear)
+        proposer = MedusaProposer(head, model, dynamic=(8, 31), linear_backend=linear,
+                                  readout_ids=None if head.config.own_lm_head else readout)  # fmt: skip
     else:  # draft
         proposer = DraftModelProposer(head, target_model=model, dynamic=(4, 6, 31), max_batch_size=batch,
-                                      attention_backend=config.attention_backend)  # fmt: skip
+                                      attention_backend=config.attention_backend, readout_ids=readout)  # fmt: skip
     proposer.set_budget(budget, budget)  # as deep as the nodes allow, within the proposer's depth
     return proposer
 
@@ -408,6 +416,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--linear-backends", type=_csv,
                         help="comma list of treespec linear backends measured side by side (default auto); "
                              "the proposers draft with the first")  # fmt: skip
+    parser.add_argument("--full-readout", action="store_true",
+                        help="EAGLE-1 heads, Medusa heads and the draft model read out through the whole vocabulary (default: the first "
+                        f"{BENCH_DRAFT_VOCAB} ids, as treespec bench)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -415,7 +426,8 @@ def main(argv: list[str] | None = None) -> None:
              "linear_backends")  # fmt: skip
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     overrides = {**(QUICK if args.quick else {}), **given}
-    config = replace(StepBenchConfig(device=args.device, dtype=args.dtype), **overrides)
+    config = replace(StepBenchConfig(device=args.device, dtype=args.dtype, draft_vocab=not args.full_readout),
+                     **overrides)  # fmt: skip
     from treespec import heads as head_registry
     from treespec.models import load
     from treespec.prompts import BENCH_PROMPTS, encode_prompts

@@ -265,7 +265,9 @@ def test_bad_heads(tmp_path):
     with pytest.raises(ValueError, match="three target layers"):
         EagleConfig.from_target(model.config, eagle3=True, feature_layers=(1, 2))
     with pytest.raises(ValueError, match="set eagle3=True"):
-        EagleConfig.from_target(model.config, draft_vocab_size=10)
+        EagleConfig.from_target(model.config, feature_layers=(0, 1, 1))
+    with pytest.raises(ValueError, match="draft_vocab_size must be in"):
+        EagleConfig.from_target(model.config, draft_vocab_size=1000)
     # a folder missing tensors, one with a wrong shape, an unknown head type
     head = random_head(model)
     head.save(tmp_path / "h")
@@ -499,3 +501,35 @@ def test_a_reduced_readout_drafts_only_its_tokens_and_keeps_the_output():
         EagleProposer(
             random_head(model, eagle3=True), model, depth=3, top_k=4, total_tokens=12, readout_ids=ids
         )
+
+
+def test_an_eagle1_head_with_its_own_draft_vocabulary(tmp_path):
+    """An EAGLE-1 head trained with a draft vocabulary keeps it through save and load, its
+    proposer reads out through those rows by default (the same drafts as passing them), the output
+    stays the target's, and the published layout drops it (a full read-out there)."""
+    from conftest import hf_greedy
+
+    import treespec
+    from treespec.heads.layouts import export_published_eagle
+
+    model = build("llama")
+    head = random_head(model, draft_vocab=40)
+    assert (
+        head.log_probs(torch.randn(3, 64), model.lm_head)[
+            :, ~torch.isin(torch.arange(128), head.target_ids())
+        ]
+        .isinf()
+        .all()
+    )
+    head.save(tmp_path / "head")
+    loaded = EagleHead.from_folder(tmp_path / "head")
+    assert torch.equal(loaded.d2t, head.d2t) and loaded.config.draft_vocab_size == 40
+    own = EagleProposer(loaded, model, depth=3, top_k=4, total_tokens=12)
+    assert torch.equal(own.readout_ids, head.target_ids())
+    prompt = [5, 9, 2, 7, 7, 3]
+    out = treespec.generate(model, [prompt], max_new_tokens=16, proposer=own)
+    assert out.sequences[0] == hf_greedy(model, prompt, 16)
+    export_published_eagle(loaded, tmp_path / "published")
+    from safetensors.torch import load_file
+
+    assert "d2t" not in load_file(str(next((tmp_path / "published").glob("*.safetensors"))))

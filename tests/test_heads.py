@@ -252,3 +252,42 @@ def test_chunked_prefill_hands_over_the_same_pairs(family):
             tokens = [t for t, _ in pairs[b]]
             assert tokens == sequence[1:], (chunk, b)  # x_1 .. x_n, each exactly once, in order
             torch.testing.assert_close(torch.stack([h for _, h in pairs[b]]), states, atol=1e-4, rtol=1e-4)
+
+
+def test_heads_on_the_targets_lm_head_read_out_once_for_all_heads():
+    """One read-out call for every head gives each head's own logits, as separate calls would."""
+    model = build("llama")
+    heads = random_heads(model, own_lm_head=False)
+    hidden = torch.randn(4, model.config.hidden_size)
+    calls = []
+    model.lm_head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
+    logits = heads(hidden, model.lm_head)
+    assert calls == [(12, model.config.hidden_size)]
+    for i, blocks in enumerate(heads.blocks):
+        torch.testing.assert_close(logits[:, i], model.lm_head(blocks(hidden)), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("tree", [None, "dynamic"])
+def test_a_reduced_medusa_readout_drafts_only_its_tokens_and_keeps_the_output(tree):
+    model, want = oracle_table(PROMPTS, NEW)("llama")
+    heads = random_heads(model, own_lm_head=False)
+    ids = list(range(1, 90, 2))
+    kwargs = {"dynamic": (2, 7)} if tree == "dynamic" else {"tree": full_tree(2, 3)}
+    proposer = MedusaProposer(heads, model, readout_ids=ids, **kwargs)
+    drafted = set()
+    original = proposer.propose
+
+    def recording(requests):
+        out = original(requests)
+        roots = set(out.cu_nodes[:-1].tolist())
+        drafted.update(t for i, t in enumerate(out.tokens.tolist()) if i not in roots)
+        return out
+
+    proposer.propose = recording
+    out = treespec.generate(model, PROMPTS, max_new_tokens=NEW, proposer=proposer)
+    assert out.sequences == want
+    assert drafted and drafted <= set(ids)
+    with pytest.raises(ValueError, match="distinct"):
+        MedusaProposer(heads, model, readout_ids=[3, 3, 4], **kwargs)
+    with pytest.raises(ValueError, match="target's LM head"):
+        MedusaProposer(random_heads(model, own_lm_head=True), model, readout_ids=ids, **kwargs)

@@ -29,6 +29,10 @@ def proposers(family: str):
         "draft-tree": DraftModelProposer(draft, shape=full_tree(2, 2)),
         "draft-sampled-tree": DraftModelProposer(draft, shape=full_tree(2, 2), sample=True),
         "draft-dynamic": DraftModelProposer(draft, dynamic=(2, 3, 6)),
+        "draft-reduced-readout": DraftModelProposer(draft, dynamic=(2, 3, 6), readout_ids=range(0, 128, 3)),
+        "draft-reduced-sampled": DraftModelProposer(
+            draft, shape=full_tree(2, 2), sample=True, readout_ids=range(1, 128, 2)
+        ),  # fmt: skip
         "ngram-trie": NgramProposer(max_depth=4),
         "ngram-chain": NgramProposer(max_depth=4, tree=False),
         "ngram-adaptive": NgramProposer(max_depth=4, token_cost=0.3),
@@ -63,6 +67,31 @@ def test_target_as_its_own_draft_accepts_the_deepest_path(shape, expected):
     depth = shape.max_depth
     assert out.stats.tau == depth + 1  # every step commits the whole deepest path + the bonus
     assert all(set(lengths) == {depth + 1} for lengths in out.stats.accepted_lengths)
+
+
+def test_a_reduced_readout_keeps_the_token_ids(expected):
+    """The target as its own draft, reading out through every row in a shuffled order: the ids
+    map back, so every drafted path is accepted; a proper subset never drafts outside it."""
+    model, want = expected("llama")
+    shuffled = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    out = treespec.generate(model, PROMPTS, max_new_tokens=NEW,
+                            proposer=DraftModelProposer(model, shape=chain(3), readout_ids=shuffled))  # fmt: skip
+    assert out.sequences == want and out.stats.tau == 4
+    subset = DraftModelProposer(model, dynamic=(2, 3, 6), readout_ids=range(0, 128, 2))
+    seen = set()
+    original = subset.propose
+
+    def recording(requests):
+        tree = original(requests)
+        roots = set(tree.cu_nodes[:-1].tolist())
+        seen.update(t for i, t in enumerate(tree.tokens.tolist()) if i not in roots)
+        return tree
+
+    subset.propose = recording
+    assert treespec.generate(model, PROMPTS, max_new_tokens=NEW, proposer=subset).sequences == want
+    assert seen and all(t % 2 == 0 for t in seen)
+    with pytest.raises(ValueError, match="top_k"):
+        DraftModelProposer(model, dynamic=(4, 2, 6), readout_ids=[1, 2])
 
 
 def test_target_as_its_own_draft_in_a_dynamic_tree(expected):

@@ -67,7 +67,7 @@ class BenchConfig:
     device: str = "cpu"
     budget: str = "adaptive"  # "fixed": the proposers' own sizes (31 drafted nodes); "N": N nodes every step
     linear_backend: str = "auto"  # treespec's target (treespec.linear); the HF baselines run natively
-    draft_vocab: int = 8192  # EAGLE-1 heads read out through the first N token ids (0: the whole vocabulary)
+    draft_vocab: int = 8192  # EAGLE-1 / Medusa heads read out through the first N token ids (0: all)
     heads: tuple[tuple[str, str], ...] = ()  # (kind, folder or registered name): overrides the shipped heads
     json: str | None = None
     plot: str | None = None
@@ -157,10 +157,11 @@ class Components:
                                   readout_ids=readout)  # fmt: skip
         elif method == "medusa":
             inner = MedusaProposer(self.head("medusa", for_what="method 'medusa'"), self.model, dynamic=(8, 31),
-                                   linear_backend=linear)  # fmt: skip
+                                   linear_backend=linear, readout_ids=self._readout("medusa"))  # fmt: skip
         elif method == "draft":
             inner = DraftModelProposer(self.head("draft", for_what="method 'draft'"), target_model=self.model,
-                                       dynamic=(4, 6, 31), max_batch_size=batch, linear_backend=linear)  # fmt: skip
+                                       dynamic=(4, 6, 31), max_batch_size=batch, linear_backend=linear,
+                                       readout_ids=self._readout("draft"))  # fmt: skip
         else:  # hybrid
             eagle = EagleProposer(self.head("eagle", for_what="method 'hybrid'"), self.model, depth=6, top_k=8,
                                   total_tokens=24, max_batch_size=batch, linear_backend=linear,
@@ -178,11 +179,18 @@ class Components:
         return self.budget_chooser().forward_cost.token_cost(self.config.batch_size)
 
     def _readout(self, kind: str) -> range | None:
-        """The reduced read-out of an EAGLE-1 head (``draft_vocab`` first ids), or None: the whole
-        vocabulary, or an EAGLE-3 head with its own."""
+        """The reduced read-out of an EAGLE-1 head, Medusa heads or a draft model (``draft_vocab``
+        first ids), or None: the whole vocabulary, or heads with their own (EAGLE-3, an EAGLE-1
+        head trained with a draft vocabulary, Medusa heads with their own LM heads)."""
         head = self.head(kind, for_what=f"method {kind!r}")
-        vocab = head.config.vocab_size
-        if head.config.eagle3 or not self.config.draft_vocab or self.config.draft_vocab >= vocab:
+        if kind == "draft":  # a draft model: its own (shared) LM head, read out like the heads'
+            vocab, own = head.get_output_embeddings().weight.shape[0], False
+        elif kind == "medusa":
+            vocab, own = head.config.vocab_size, head.config.own_lm_head
+        else:
+            vocab = head.config.vocab_size
+            own = head.config.eagle3 or head.config.draft_vocab_size is not None
+        if own or not self.config.draft_vocab or self.config.draft_vocab >= vocab:
             return None
         return range(self.config.draft_vocab)
 

@@ -30,9 +30,11 @@ engine and the wrappers read attributes and never probe for them:
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from treespec.sampling import SamplingParams
 from treespec.tree import TokenTree
@@ -130,3 +132,27 @@ class Proposer(abc.ABC):
         """Draft at most ``num_nodes`` nodes (root excluded), ``depth`` deep, from the next step on.
         Only for proposers with ``has_budget``."""
         raise TypeError(f"{type(self).__name__} has no settable budget: its tree size is fixed")
+
+
+def reduced_rows(
+    lm_head: nn.Module, readout_ids: Sequence[int] | torch.Tensor, vocab_size: int, top_k: int
+) -> tuple[torch.Tensor, nn.Linear]:
+    """A reduced draft vocabulary over an LM head: (the ids on the head's device, a bias-free
+    linear layer holding those rows, copied once), after checking the ids are distinct, in
+    ``[0, vocab_size)`` and at least ``top_k`` of them."""
+    ids = torch.as_tensor(list(readout_ids) if not torch.is_tensor(readout_ids) else readout_ids)
+    if ids.dim() != 1 or len(ids) == 0 or ids.dtype.is_floating_point:
+        raise ValueError(
+            f"readout_ids must be a non-empty 1-D list of token ids, got {tuple(ids.shape)} {ids.dtype}"
+        )
+    ids = ids.long().cpu()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or len(ids.unique()) != len(ids):
+        raise ValueError(f"readout_ids must be distinct token ids in [0, {vocab_size}), got min {int(ids.min())}, "
+                         f"max {int(ids.max())}, {len(ids) - len(ids.unique())} repeated")  # fmt: skip
+    if len(ids) < top_k:
+        raise ValueError(f"readout_ids holds {len(ids)} tokens, fewer than top_k={top_k}")
+    full = lm_head.weight
+    rows = nn.Linear(full.shape[1], len(ids), bias=False, dtype=full.dtype, device=full.device)
+    with torch.no_grad():
+        rows.weight.copy_(full[ids.to(full.device)])
+    return ids.to(full.device), rows

@@ -21,10 +21,13 @@ rule, with ``draft_probs`` on the tree). At temperature 0 children are always th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import PreTrainedModel
 
-from treespec.proposers.base import ProposalRequest, Proposer
+from treespec import linear
+from treespec.proposers.base import ProposalRequest, Proposer, reduced_rows
 from treespec.sampling import logits_to_probs
 from treespec.target import Target
 from treespec.tree import (
@@ -56,8 +59,11 @@ class DraftModelProposer(Proposer):
         linear_backend: str = "auto",
         generator: torch.Generator | None = None,
         dynamic: tuple[int, int, int] | None = None,
+        readout_ids: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
-        """``dynamic=(top_k, depth, num_nodes)`` grows an EAGLE-2 dynamic tree over the draft's
+        """``readout_ids``: the draft reads out through these rows of its LM head only (a reduced
+        draft vocabulary, as for EAGLE and Medusa heads); a token outside is never drafted, the
+        output is the target's either way. ``dynamic=(top_k, depth, num_nodes)`` grows an EAGLE-2 dynamic tree over the draft's
         cumulative log-probabilities (``tree.build_dynamic_tree``) instead of ``shape``; its
         children are top-k, so it cannot be combined with ``sample``. ``max_batch_size``
         requests at once (the engine admits no more). With ``sample=True`` the draws use
@@ -86,6 +92,13 @@ class DraftModelProposer(Proposer):
         self.cache = self.draft.new_cache(max_batch_size, max_len + self._max_forest())
         self.generator = generator
         self._slot: dict[int, int] = {}  # request id -> draft cache slot
+        self.readout_ids, self.readout = None, None
+        if readout_ids is not None:
+            top_k = dynamic[0] if dynamic is not None else self.shape.max_rank + 1
+            self.readout_ids, rows = reduced_rows(
+                draft_model.get_output_embeddings(), readout_ids, self.vocab_size, top_k
+            )
+            self.readout = linear.module_view(rows, self.draft.linear_backend).eval()
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
         """Dynamic trees only: at most ``num_nodes`` nodes, ``depth`` deep, from the next step on
@@ -159,13 +172,25 @@ class DraftModelProposer(Proposer):
         parents = torch.cat(parent_rows, dim=1).tolist()  # host sync: the mask is built on the host
         batch, num_run = tokens.shape
         slots = torch.tensor([self._slot[r.request_id] for r in requests], device=device)
-        out = self.draft.forward(
+        logits = self._forward(
             tokens.flatten(), self.cache, torch.arange(batch + 1, device=device) * num_run, slots,
             tree_mask=torch.cat([pack_ancestor_mask(p, forest=True) for p in parents]).to(device),
-            depth=(torch.arange(num_run, device=device) // k).repeat(batch), return_hidden=False,
+            depth=(torch.arange(num_run, device=device) // k).repeat(batch),
             logit_rows=(torch.arange(batch, device=device)[:, None] * num_run + num_run - k + torch.arange(k, device=device)).flatten(),
         )  # fmt: skip
-        return out.logits.view(batch, k, -1)
+        return logits.view(batch, k, -1)
+
+    def _forward(self, *args, logit_rows: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """The draft's forward; logits [R, V] of ``logit_rows`` (None: every row), read out through
+        the reduced rows when there are some (-inf elsewhere)."""
+        if self.readout is None:
+            return self.draft.forward(*args, logit_rows=logit_rows, return_hidden=False, **kwargs).logits
+        device = self.draft.device
+        out = self.draft.forward(*args, logit_rows=torch.zeros(0, dtype=torch.long, device=device), **kwargs)
+        hidden = out.hidden if logit_rows is None else out.hidden[logit_rows]
+        logits = self.readout(hidden)
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.readout_ids, logits)
 
     def release(self, request_id: int) -> None:
         slot = self._slot.pop(request_id, None)
@@ -185,12 +210,12 @@ class DraftModelProposer(Proposer):
         device = self.draft.device
         cu = torch.tensor([0] + [len(c) for c in chunks], device=device).cumsum(0)
         slots = [self._slot[r.request_id] for r in requests]
-        out = self.draft.forward(
+        logits = self._forward(
             torch.tensor([t for c in chunks for t in c], device=device), self.cache, cu,
-            torch.tensor(slots, device=device), logit_rows=cu[1:] - 1, return_hidden=False,
+            torch.tensor(slots, device=device), logit_rows=cu[1:] - 1,
         )  # fmt: skip
         self.cache.commit(slots, [range(len(c)) for c in chunks])
-        return out.logits
+        return logits
 
     def _score_level(self, requests, tokens, shapes, depth) -> list[torch.Tensor]:
         """Run every drafted node so far (a forest under the cached root); logits of the deepest level."""
@@ -203,16 +228,18 @@ class DraftModelProposer(Proposer):
         width = max(1, -(-max(sizes) // BITS_PER_WORD))
         mask = torch.cat([pack_ancestor_mask(p, forest=True, num_words=width) for p in parents if p])
         slots = [self._slot[r.request_id] for r in requests]
-        out = self.draft.forward(
+        starts = cu[:-1].tolist()
+        rows = [
+            starts[b] + i for b in range(len(requests)) for i, d in enumerate(depths[b]) if d == depth - 1
+        ]
+        logits = self._forward(
             torch.tensor([t for f in forests for t in f], device=device), self.cache, cu,
             torch.tensor(slots, device=device), tree_mask=mask.to(device),
-            depth=torch.tensor([d for ds in depths for d in ds], device=device), return_hidden=False,
+            depth=torch.tensor([d for ds in depths for d in ds], device=device),
+            logit_rows=torch.tensor(rows, device=device),
         )  # fmt: skip
-        starts = cu[:-1].tolist()
-        return [
-            out.logits[[starts[b] + i for i, d in enumerate(depths[b]) if d == depth - 1]]
-            for b in range(len(requests))
-        ]
+        counts = [sum(1 for d in depths[b] if d == depth - 1) for b in range(len(requests))]
+        return list(logits.split(counts))
 
     def _distribution(self, logits: torch.Tensor, request: ProposalRequest) -> torch.Tensor:
         """The draft's distribution at a node: after the request's sampling rules when sampling."""

@@ -32,7 +32,7 @@ from treespec import linear
 from treespec.cache import KVCache
 from treespec.heads.eagle import EagleHead, default_feature_layers
 from treespec.kernels.tree_attention import resolve_backend
-from treespec.proposers.base import ProposalRequest, Proposer, StepResult
+from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
 from treespec.target import StepMetadata
 from treespec.tree import (
     NO_PARENT,
@@ -69,7 +69,8 @@ class EagleProposer(Proposer):
         through run as views with that backend; the modules passed in are left untouched.
 
         ``readout_ids``: an EAGLE-1 head reads out through these rows of the target's LM head
-        only (a reduced draft vocabulary, as EAGLE-3 heads have their own): every level's
+        only (a reduced draft vocabulary, as EAGLE-3 heads have their own; default: the head's
+        own, ``d2t``, when it was trained with one): every level's
         read-out costs that fraction of the full one, and a token outside it is never drafted
         (the output is the target's either way). ``range(n)`` takes the first n ids, which a BPE
         tokenizer numbers roughly by frequency (docs/benchmark.md measures what they cover). The
@@ -110,6 +111,8 @@ class EagleProposer(Proposer):
         self.embed = target_model.get_input_embeddings()
         self.lm_head = linear.module_view(target_model.get_output_embeddings(), backend)
         self.readout_ids = None
+        if readout_ids is None and not config.eagle3 and config.draft_vocab_size is not None:
+            readout_ids = head.target_ids()  # the head's own reduced read-out (trained with it)
         if readout_ids is not None:
             self.readout_ids, self.lm_head = self._reduced_readout(readout_ids, config, target_vocab, backend)
         self.backend = resolve_backend(attention_backend, weight.device)
@@ -185,22 +188,8 @@ class EagleProposer(Proposer):
             raise ValueError(
                 "readout_ids is for EAGLE-1 heads: an EAGLE-3 head reads out through its own layer"
             )
-        ids = torch.as_tensor(list(readout_ids) if not torch.is_tensor(readout_ids) else readout_ids)
-        if ids.dim() != 1 or len(ids) == 0 or ids.dtype.is_floating_point:
-            raise ValueError(
-                f"readout_ids must be a non-empty 1-D list of token ids, got {tuple(ids.shape)} {ids.dtype}"
-            )
-        ids = ids.long()
-        if int(ids.min()) < 0 or int(ids.max()) >= target_vocab or len(ids.unique()) != len(ids):
-            raise ValueError(f"readout_ids must be distinct token ids in [0, {target_vocab}), got min {int(ids.min())}, "
-                             f"max {int(ids.max())}, {len(ids) - len(ids.unique())} repeated")  # fmt: skip
-        if len(ids) < self.top_k:
-            raise ValueError(f"readout_ids holds {len(ids)} tokens, fewer than top_k={self.top_k}")
-        full = self.lm_head.weight
-        rows = nn.Linear(full.shape[1], len(ids), bias=False, dtype=full.dtype, device=full.device)
-        with torch.no_grad():
-            rows.weight.copy_(full[ids.to(full.device)])
-        return ids.to(full.device), linear.module_view(rows, backend).eval()
+        ids, rows = reduced_rows(self.lm_head, readout_ids, target_vocab, self.top_k)
+        return ids, linear.module_view(rows, backend).eval()
 
     def _log_probs(self, h: torch.Tensor) -> torch.Tensor:
         """Log-probabilities over the target's vocabulary [T, V] (-inf outside a reduced read-out)."""

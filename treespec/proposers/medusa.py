@@ -11,12 +11,14 @@ Children are top-k: the deterministic rule verifies them losslessly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import PreTrainedModel
 
 from treespec import linear
 from treespec.heads.medusa import MedusaHeads
-from treespec.proposers.base import ProposalRequest, Proposer, StepResult
+from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
 from treespec.tree import TokenTree, TreeShape, build_dynamic_tree, build_static_tree, chain, dynamic_capacity
 
 
@@ -31,11 +33,14 @@ class MedusaProposer(Proposer):
         tree: TreeShape | None = None,
         dynamic: tuple[int, int] | None = None,
         linear_backend: str = "auto",
+        readout_ids: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
         """A static ``tree`` (default: a chain over all heads), or ``dynamic=(top_k, num_nodes)``
         for an EAGLE-2 dynamic tree whose size ``set_budget`` can change. ``linear_backend`` as
         for the Target: the heads and the target's LM head run as views with it (the modules
-        passed in are left untouched)."""
+        passed in are left untouched). ``readout_ids``: heads that read out through the target's
+        LM head use only these rows of it (a reduced draft vocabulary, as for EAGLE heads): a
+        token outside is never drafted, the output is the target's either way."""
         config = heads.config
         target_hidden = target_model.config.hidden_size
         target_vocab = target_model.get_output_embeddings().weight.shape[0]
@@ -67,6 +72,13 @@ class MedusaProposer(Proposer):
         self.has_budget = dynamic is not None
         lm_head = target_model.get_output_embeddings()
         self.lm_head = None if config.own_lm_head else linear.module_view(lm_head, backend)
+        self.readout_ids = None
+        if readout_ids is not None:
+            if config.own_lm_head:
+                raise ValueError("readout_ids is for Medusa heads that read out through the target's LM head")
+            top_k = dynamic[0] if dynamic is not None else self.shape.max_rank + 1
+            self.readout_ids, rows = reduced_rows(lm_head, readout_ids, target_vocab, top_k)
+            self.lm_head = linear.module_view(rows, backend).eval()
         self.max_tree_nodes = self.shape.num_nodes if dynamic is None else dynamic[1] + 1
         self.vocab_size = target_vocab
         self._hidden: dict[int, torch.Tensor] = {}  # request id -> [H] hidden state behind its root
@@ -80,7 +92,10 @@ class MedusaProposer(Proposer):
             return TokenTree.from_lists([[r.tokens[-1]] for r in requests])
         shape = self.shape.cut(depth)
         hidden = torch.stack([self._hidden[r.request_id] for r in requests])  # [B, H]
-        logits = self.heads(hidden.to(weight.dtype), self.lm_head)  # [B, K, V]
+        logits = self.heads(hidden.to(weight.dtype), self.lm_head)  # [B, K, V] (or the read-out's rows)
+        if self.readout_ids is not None:
+            full = logits.new_full((*logits.shape[:2], self.vocab_size), float("-inf"))
+            logits = full.index_copy_(2, self.readout_ids, logits)
         if self.dynamic is not None:
             return self._dynamic(roots, logits[:, :depth], depth)
         candidates = logits.topk(shape.max_rank + 1, dim=-1).indices  # [B, K, k] distinct per row

@@ -70,11 +70,14 @@ def test_data_resumes_after_a_kill(tiny_data, tmp_path, monkeypatch):
     assert all(torch.equal(a.hidden, b.hidden) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "draft"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "draft", "eagle-ttt", "eagle3-ttt"])
 def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tiny_data, kind):
     model, folder = tiny_data
     data = HeadDataset(folder, model)
-    config = TrainConfig(kind=kind, draft_layers=1, draft_vocab_size=64, medusa_heads=2, feature_noise=0.0)
+    ttt = 3 if kind.endswith("-ttt") else 1
+    kind = kind.removesuffix("-ttt")
+    config = TrainConfig(kind=kind, draft_layers=1, draft_vocab_size=64, medusa_heads=2, feature_noise=0.0,
+                         ttt_steps=ttt)  # fmt: skip
     model.float().requires_grad_(False)
     module = build_module(config, model, data)
     batch = data.sequences()[:4]
@@ -262,3 +265,52 @@ def test_draft_exports_as_a_standalone_hf_model(tiny_data, tmp_path):
     assert standalone.config.num_hidden_layers == 1
     with pytest.raises(ValueError, match="num_layers"):
         make_draft(model, 2)
+
+
+def test_training_time_test_feeds_each_depth_what_inference_feeds_it():
+    """Step k of the unrolled head at position t equals a depth-(k+1) draft at inference: the head
+    run on the target's features up to t - k, then on its own outputs, with plain causal attention
+    over that one sequence."""
+    from treespec.heads.eagle import EagleConfig, EagleHead
+    from treespec.heads.training.train import UnrolledAttention
+
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig(hidden_size=16, vocab_size=50, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=8, intermediate_size=32)).eval()  # fmt: skip
+    lengths = [6, 4]
+    rows = sum(lengths)
+    embeds, features = torch.randn(rows, 16), torch.randn(rows, 16)
+    attention = UnrolledAttention(lengths)
+    first = torch.tensor([0, lengths[0]])
+    outs, inputs = [], features
+    with torch.no_grad():
+        for _ in range(3):
+            out = head(embeds, inputs, attention.pos, attention)
+            outs.append(out)
+            inputs = torch.roll(out, 1, 0)
+            inputs[first] = 0.0
+
+        def causal(q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                is_causal=True, enable_gqa=True)[0].transpose(0, 1)  # fmt: skip
+
+        for seq, start in ((0, 0), (1, lengths[0])):
+            for step in range(3):
+                for t in range(step, lengths[seq]):
+                    ctx = list(range(start, start + t - step + 1))  # real features at positions <= t - k
+                    feats = features[ctx]
+                    for _ in range(step):  # each draft's input: the previous row's output
+                        n = len(feats)
+                        out = head(embeds[start : start + n], feats, torch.arange(n), causal)
+                        feats = torch.cat([feats, out[-1:]])
+                    n = len(feats)
+                    want = head(embeds[start : start + n], feats, torch.arange(n), causal)[-1]
+                    torch.testing.assert_close(outs[step][start + t], want, atol=1e-5, rtol=1e-5)
+
+
+def test_acceptance_by_depth_from_committed_lengths():
+    from treespec.heads.training.train import acceptance_by_depth
+
+    assert acceptance_by_depth([1, 2, 3, 3]) == [0.75, 2 / 3]
+    assert acceptance_by_depth([1, 1]) == [0.0]

@@ -137,8 +137,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--warmup", type=int, default=1, help="warm-up runs of every method (short)")
     bench.add_argument("--draft-vocab", type=int, default=8192, metavar="N",
-                       help="EAGLE-1 heads read out through the first N token ids, roughly the most frequent "
-                            "in a BPE vocabulary (0: all; default: %(default)s)")  # fmt: skip
+                       help="EAGLE-1 heads, Medusa heads and draft models without a draft vocabulary of their own read out through "
+                            "the first N token ids, roughly the most frequent in a BPE vocabulary (0: all; "
+                            "default: %(default)s)")  # fmt: skip
     bench.add_argument("--budget", default="adaptive", metavar="adaptive|fixed|N",
                        help="tree size per step: chosen from measured costs and acceptance (adaptive), the "
                        "proposers' own 31 nodes (fixed), or N drafted nodes every step (1 to 31)")  # fmt: skip
@@ -200,6 +201,72 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32", help="fp32 is faster on CPUs")
     data.set_defaults(handler=_train_heads_data)
 
+    corpus_help = "corpus folder: prompts.jsonl, answers.jsonl, state.json (resumed when it exists)"
+    prompts = stages.add_parser(
+        "prompts", help="at scale: the target writes its own user prompts (Magpie), plus the built-in ones"
+    )
+    prompts.add_argument(
+        "--model", default="smollm2-135m-instruct", help="registered name or local HF folder"
+    )
+    prompts.add_argument("--corpus", required=True, help=corpus_help)
+    prompts.add_argument("--count", type=int, default=20000, help="prompts in all (default: %(default)s)")
+    prompts.add_argument(
+        "--batch-size", type=int, default=64, help="requests decoding at once (default: %(default)s)"
+    )
+    prompts.add_argument("--temperature", type=float, default=1.0, help="default: %(default)s")
+    prompts.add_argument("--top-p", type=float, default=0.95, help="default: %(default)s")
+    prompts.add_argument(
+        "--max-tokens", type=int, default=96, help="longest user turn kept (default: %(default)s)"
+    )
+    prompts.add_argument(
+        "--prompts", action="append", default=[], help="also add this prompt file; repeatable"
+    )
+    prompts.add_argument(
+        "--no-builtin-prompts", action="store_true", help="skip the built-in templated prompts"
+    )
+    prompts.add_argument("--held-out", action="append", default=[],
+                         help="prompt file never to train on (benchmark sets): no prompt equal or near it is "
+                         "kept; repeatable. treespec bench's and the dev prompts are always held out")  # fmt: skip
+    prompts.add_argument("--seed", type=int, default=0)
+    prompts.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="default: %(default)s")
+    prompts.set_defaults(handler=_train_heads_prompts)
+
+    answers = stages.add_parser("answers", help="at scale: the target answers the corpus's prompts")
+    answers.add_argument(
+        "--model", default="smollm2-135m-instruct", help="registered name or local HF folder"
+    )
+    answers.add_argument("--corpus", required=True, help=corpus_help)
+    answers.add_argument("--max-new-tokens", type=int, default=256, help="default: %(default)s")
+    answers.add_argument("--batch-size", type=int, default=64, help="default: %(default)s")
+    answers.add_argument("--sampled-share", type=float, default=0.2,
+                         help="share of answers sampled rather than greedy (default: %(default)s)")  # fmt: skip
+    answers.add_argument(
+        "--temperature", type=float, default=0.7, help="of the sampled answers (default: %(default)s)"
+    )
+    answers.add_argument(
+        "--answer-tokens", type=int, default=None, help="stop once this many answer tokens exist"
+    )
+    answers.add_argument("--follow-up-share", type=float, default=0.0,
+                         help="then: this share of answered prompts gets a follow-up question written by the "
+                         "target, answered in turn (default: %(default)s)")  # fmt: skip
+    answers.add_argument("--seed", type=int, default=0)
+    answers.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="default: %(default)s")
+    answers.set_defaults(handler=_train_heads_answers)
+
+    feats = stages.add_parser(
+        "features", help="at scale: hidden states of the corpus's answered sequences, at prefill speed"
+    )
+    feats.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
+    feats.add_argument("--corpus", required=True, help="corpus folder written by 'prompts' and 'answers'")
+    feats.add_argument("--out", required=True, help="data folder for 'train' (resumed when it exists)")
+    feats.add_argument(
+        "--eagle3", action="store_true", help="also store EAGLE-3's three-layer features (4x the disk)"
+    )
+    feats.add_argument(
+        "--batch-tokens", type=int, default=4096, help="positions per forward (default: %(default)s)"
+    )
+    feats.set_defaults(handler=_train_heads_features)
+
     fit = stages.add_parser("train", help="train one kind of head on a data folder")
     fit.add_argument("--kind", required=True, choices=["eagle", "eagle3", "medusa", "draft"])
     fit.add_argument("--model", default="smollm2-135m-instruct")
@@ -213,7 +280,12 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--grad-clip", type=float, default=0.5)
     fit.add_argument("--medusa-heads", type=int, default=3)
     fit.add_argument("--draft-layers", type=int, default=2)
-    fit.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3's reduced vocabulary")
+    fit.add_argument("--draft-vocab-size", type=int, default=8192,
+                     help="EAGLE kinds: read-out vocabulary, the data's most frequent tokens (0: all; "
+                     "default: %(default)s)")  # fmt: skip
+    fit.add_argument("--ttt-steps", type=int, default=1,
+                     help="EAGLE kinds: training-time test, steps the head runs on its own outputs, "
+                     "the first included (default: %(default)s, off)")  # fmt: skip
     fit.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: each epoch)")
     fit.add_argument(
         "--eval-prompts", type=int, default=8, help="dev prompts for the per-epoch tau (0: none)"
@@ -253,6 +325,95 @@ def _train_heads_data(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _train_heads_prompts(args: argparse.Namespace) -> int:
+    import torch
+
+    from treespec.heads.training.corpus import MagpieConfig, add_prompts, synthesize_prompts
+    from treespec.heads.training.prompts import DEV_PROMPTS, read_prompt_file, train_prompts
+    from treespec.prompts import DEFAULT_PROMPTS
+
+    held_out = list(DEV_PROMPTS) + list(DEFAULT_PROMPTS)
+    for path in args.held_out:
+        held_out += read_prompt_file(path)
+    if not args.no_builtin_prompts:
+        added = add_prompts(args.corpus, train_prompts(), "builtin", held_out)
+        print(f"{args.corpus}: {added} built-in prompts added")
+    for path in args.prompts:
+        added = add_prompts(args.corpus, read_prompt_file(path), f"file:{path}", held_out)
+        print(f"{args.corpus}: {added} prompts added from {path}")
+    model, tokenizer = models.load(
+        args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    )
+    config = MagpieConfig(count=args.count, batch_size=args.batch_size, max_tokens=args.max_tokens,
+                          temperature=args.temperature, top_p=args.top_p, seed=args.seed)  # fmt: skip
+    state = synthesize_prompts(model, tokenizer, args.corpus, config, held_out=held_out)
+    print(json.dumps(state["magpie"] | {"held_out": len(held_out)}, indent=1))
+    return EXIT_OK
+
+
+def _train_heads_answers(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+    from pathlib import Path
+
+    import torch
+
+    from treespec.heads.training.corpus import (
+        PROMPTS,
+        AnswerConfig,
+        MagpieConfig,
+        read_records,
+        synthesize_follow_ups,
+        write_answers,
+    )
+
+    model, tokenizer = models.load(
+        args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    )
+    config = AnswerConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                          sampled_share=args.sampled_share, temperature=args.temperature,
+                          answer_tokens=args.answer_tokens, seed=args.seed)  # fmt: skip
+    summary = write_answers(model, tokenizer, args.corpus, config)
+    if args.follow_up_share > 0:
+        added = synthesize_follow_ups(
+            model, tokenizer, args.corpus,
+            MagpieConfig(batch_size=args.batch_size, follow_up_share=args.follow_up_share, seed=args.seed),
+        )  # fmt: skip
+        records = read_records(Path(args.corpus) / PROMPTS)
+        pending = [r["id"] for r in records if r.get("source") == "follow-up"]
+        print(
+            f"{args.corpus}: {len(added)} follow-up prompts added; answering the unanswered of {len(pending)}"
+        )
+        summary = write_answers(
+            model, tokenizer, args.corpus, replace(config, answer_tokens=None), only=pending
+        )
+    print(json.dumps(summary, indent=1))
+    return EXIT_OK
+
+
+def _train_heads_features(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from treespec.heads.eagle import default_feature_layers
+    from treespec.heads.training.corpus import ANSWERS, PROMPTS, read_records
+    from treespec.heads.training.data import write_features
+
+    corpus = Path(args.corpus)
+    answers = read_records(corpus / ANSWERS)
+    if not answers:
+        raise ValueError(f"{corpus / ANSWERS} holds no answers: run 'treespec train-heads answers' first")
+    dev = {r["id"] for r in read_records(corpus / PROMPTS) if r.get("split") == "dev"}
+    model, _ = models.load(args.model, dtype=torch.float32)
+    layers = default_feature_layers(model.config.get_text_config().num_hidden_layers)
+    manifest = write_features(model, [a for a in answers if a["id"] not in dev], args.out, feature_layers=layers,
+                              eagle3=args.eagle3, batch_tokens=args.batch_tokens)  # fmt: skip
+    tokens = sum(s["tokens"] for s in manifest["shards"])
+    answer_tokens = sum(s["answer_tokens"] for s in manifest["shards"])
+    print(f"{args.out}: {tokens} positions with hidden states, {answer_tokens} of them answer tokens")
+    return EXIT_OK
+
+
 def _train_heads_train(args: argparse.Namespace) -> int:
     import torch
 
@@ -268,7 +429,7 @@ def _train_heads_train(args: argparse.Namespace) -> int:
         kind=args.kind, epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps,
         batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len, grad_clip=args.grad_clip,
         medusa_heads=args.medusa_heads, draft_layers=args.draft_layers, draft_vocab_size=args.draft_vocab_size,
-        checkpoint_every=args.checkpoint_every, eval_new_tokens=args.eval_new_tokens,
+        checkpoint_every=args.checkpoint_every, eval_new_tokens=args.eval_new_tokens, ttt_steps=args.ttt_steps,
         eval_prompts=args.eval_prompts, seed=args.seed,
     )  # fmt: skip
     dev = encode_prompts(tokenizer, DEV_PROMPTS) if args.eval_prompts else None

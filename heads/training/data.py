@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel
@@ -41,7 +43,7 @@ class Sequence:
     tokens: torch.Tensor  # [n] long: prompt then answer
     prompt_len: int
     hidden: torch.Tensor  # [n, H] final normed hidden state
-    features: torch.Tensor  # [n, 3H] inputs of the three EAGLE-3 layers
+    features: torch.Tensor | None  # [n, 3H] inputs of the three EAGLE-3 layers (None: not stored)
 
 
 def target_description(model: PreTrainedModel, feature_layers: tuple[int, ...]) -> dict:
@@ -130,13 +132,27 @@ def _write_shard(folder: Path, index: int, prompt_ids: list[int], records: list[
         "prompt_lens": torch.tensor([r.prompt_len for r in records]),
         "prompt_ids": torch.tensor(prompt_ids),
         "hidden": torch.cat([r.hidden for r in records]).contiguous(),
-        "features": torch.cat([r.features for r in records]).contiguous(),
     }
+    if records[0].features is not None:
+        tensors["features"] = torch.cat([r.features for r in records]).contiguous()
+    need = sum(t.numel() * t.element_size() for t in tensors.values())
+    check_free_space(folder, need)
     tmp = folder / (name + ".tmp")
     save_file(tensors, str(tmp))
     os.replace(tmp, folder / name)  # a shard exists whole or not at all
     return {"file": name, "prompt_ids": prompt_ids, "tokens": sum(lengths),
             "answer_tokens": sum(lengths) - sum(r.prompt_len for r in records)}  # fmt: skip
+
+
+def check_free_space(folder: Path, need: int) -> None:
+    """Raise OSError before writing ``need`` bytes when the disk cannot hold them (with a margin):
+    a shard is never left half-written by a full disk."""
+    free = shutil.disk_usage(folder).free
+    if free < need * 1.1 + (64 << 20):
+        raise OSError(
+            f"not enough disk space in {folder}: the next shard needs {need / 2**20:.0f} MB and "
+            f"{free / 2**20:.0f} MB are free; free some space and run the same command again to resume"
+        )
 
 
 def _read_manifest(folder: Path) -> dict | None:
@@ -187,11 +203,129 @@ class HeadDataset:
     def sequences(self) -> list[Sequence]:
         return list(self)
 
+    @property
+    def has_features(self) -> bool:
+        """Whether the shards hold EAGLE-3's three-layer features (``features`` stage option)."""
+        return self.manifest.get("features", True)
+
     def _read(self, name: str) -> Iterator[Sequence]:
-        t = load_file(str(self.folder / name))
+        path = self.folder / name
+        try:
+            t = load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(
+                f"{path} cannot be read ({exc}); the shard is corrupt or truncated: delete it and "
+                "its entry in manifest.json, then run the data stage again to rewrite it"
+            ) from None
         offsets = t["offsets"].tolist()
+        if "hidden" not in t or offsets[-1] != len(t["tokens"]) or len(t["hidden"]) != len(t["tokens"]):
+            raise ValueError(
+                f"{path} is inconsistent (offsets, tokens and hidden states disagree): corrupt shard"
+            )
+        features = t.get("features")
         for s in range(len(offsets) - 1):
             a, b = offsets[s], offsets[s + 1]
             yield Sequence(
-                t["tokens"][a:b].long(), int(t["prompt_lens"][s]), t["hidden"][a:b], t["features"][a:b]
-            )
+                t["tokens"][a:b].long(), int(t["prompt_lens"][s]), t["hidden"][a:b],
+                None if features is None else features[a:b],
+            )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Features from stored token sequences (the scalable path: corpus.write_answers, then this)
+# --------------------------------------------------------------------------------------------
+
+
+def write_features(
+    model: PreTrainedModel,
+    answers: list[dict],
+    folder: str | Path,
+    *,
+    feature_layers: tuple[int, int, int],
+    eagle3: bool = False,
+    batch_tokens: int = 4096,
+    shard_tokens: int = 65536,
+    max_len: int = 2048,
+    progress: bool = True,
+) -> dict:
+    """Teacher-forced forwards over stored sequences (``corpus.write_answers`` records: ``id``,
+    ``prompt`` and ``answer`` token ids) into shards of ``folder``; returns the manifest.
+
+    Only what the heads need is kept: the final hidden state always (EAGLE-1, Medusa, the draft's
+    distillation target), the three EAGLE-3 layers only with ``eagle3``. Records a finished shard
+    holds are skipped, so the stage resumes after a kill and grows with the answers file. Sequences
+    of similar length run together, padded, ``batch_tokens`` positions per forward."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    described = target_description(model, tuple(feature_layers))
+    manifest = _read_manifest(folder)
+    if manifest is None:
+        manifest = {
+            "format": FORMAT,
+            "target": described,
+            "features": eagle3,
+            "source": "answers",
+            "shards": [],
+        }
+    else:
+        check_target(manifest, model, folder)
+        if manifest.get("features", True) != eagle3:
+            raise ValueError(f"{folder} was written {'with' if manifest.get('features', True) else 'without'} "
+                             f"EAGLE-3 features; pass the same choice to resume, or use another folder")  # fmt: skip
+    done = {i for shard in manifest["shards"] for i in shard["prompt_ids"]}
+    todo = [a for a in answers if a["id"] not in done and a["answer"]]
+    todo = [a for a in todo if len(a["prompt"]) + len(a["answer"]) <= max_len]
+    bar = tqdm(total=sum(len(a["prompt"]) + len(a["answer"]) for a in todo), desc="features", unit="tok",
+               disable=not progress)  # fmt: skip
+    start, count = time.perf_counter(), 0
+    while todo:
+        shard, size = [], 0
+        while todo and (not shard or size + len(todo[0]["prompt"]) + len(todo[0]["answer"]) <= shard_tokens):
+            shard.append(todo.pop(0))
+            size += len(shard[-1]["prompt"]) + len(shard[-1]["answer"])
+        records = _teacher_forced(model, shard, feature_layers, eagle3, batch_tokens)
+        manifest["shards"].append(
+            _write_shard(folder, len(manifest["shards"]), [a["id"] for a in shard], records)
+        )
+        _write_manifest(folder, manifest)
+        count += size
+        bar.update(size)
+        bar.set_postfix(tok_per_s=f"{count / (time.perf_counter() - start):.0f}")
+    bar.close()
+    return manifest
+
+
+@torch.inference_mode()
+def _teacher_forced(
+    model, answers: list[dict], feature_layers, eagle3: bool, batch_tokens: int
+) -> list[Sequence]:
+    order = sorted(range(len(answers)), key=lambda i: len(answers[i]["prompt"]) + len(answers[i]["answer"]))
+    out: list[Sequence | None] = [None] * len(answers)
+    first = 0
+    while first < len(order):
+        width = len(answers[order[first]]["prompt"]) + len(answers[order[first]]["answer"])
+        last = first + 1
+        while last < len(order):  # sorted by length: the last one sets the padded width
+            n = len(answers[order[last]]["prompt"]) + len(answers[order[last]]["answer"])
+            if (last - first + 1) * n > batch_tokens:
+                break
+            width, last = n, last + 1
+        group = [answers[i] for i in order[first:last]]
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for row, a in enumerate(group):
+            seq = a["prompt"] + a["answer"]
+            ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), 1
+        states = model(ids.to(model.device), attention_mask=mask.to(model.device), output_hidden_states=True,
+                       use_cache=False, logits_to_keep=1).hidden_states  # fmt: skip
+        for row, (i, a) in enumerate(zip(order[first:last], group, strict=True)):
+            n = len(a["prompt"]) + len(a["answer"])
+            out[i] = Sequence(
+                tokens=torch.tensor(a["prompt"] + a["answer"]),
+                prompt_len=len(a["prompt"]),
+                hidden=states[-1][row, :n].to(torch.bfloat16).cpu(),
+                features=torch.cat([states[j][row, :n] for j in feature_layers], -1).to(torch.bfloat16).cpu()
+                if eagle3 else None,
+            )  # fmt: skip
+        first = last
+    return out

@@ -5,7 +5,10 @@ its distribution p_t = softmax(lm_head(h_t)) over x_{t+1}):
 
 - ``eagle`` (EAGLE-1): the head reads pairs (h_t + noise, x_{t+1}) and outputs o_t; loss =
   SmoothL1(o_t, h_{t+1}) + 0.1 * CE(lm_head(o_t), p_{t+1}) (the EAGLE paper's feature
-  regression plus token cross-entropy against the target's distribution).
+  regression plus token cross-entropy against the target's distribution). With a draft
+  vocabulary (``draft_vocab_size``) the CE runs over those rows of the LM head, as inference does.
+- both EAGLE kinds, with ``ttt_steps`` > 1: EAGLE-3's training-time test, the head run again on
+  its own outputs (:class:`UnrolledAttention`), each step's loss weighted ``ttt_decay**step``.
 - ``eagle3``: pairs (three-layer features, x_{t+1}); loss = CE of the head's draft-vocabulary
   read-out against p_{t+1} restricted to the draft vocabulary (the ``draft_vocab_size`` tokens the
   target produces most often in the data) and renormalised.
@@ -59,9 +62,13 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     feature_noise: float = 0.1  # EAGLE-1: uniform noise on the input features
+    # EAGLE-3's training-time test: the head also runs on its own outputs, this many steps in all
+    # (1: only on the target's features), each step's loss weighted ttt_decay**step
+    ttt_steps: int = 1
+    ttt_decay: float = 0.8
     medusa_heads: int = 3
     draft_layers: int = 2
-    draft_vocab_size: int = 8192  # EAGLE-3
+    draft_vocab_size: int = 8192  # both EAGLE kinds: the data's most frequent tokens (0: all)
     checkpoint_every: int = 0  # steps; 0: only at the end of each epoch
     eval_new_tokens: int = 128
     eval_prompts: int = 8
@@ -70,6 +77,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be an int >= 1, got {self.ttt_steps!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,9 +89,10 @@ class TrainConfig:
 def build_module(config: TrainConfig, target: PreTrainedModel, data: HeadDataset) -> nn.Module:
     torch.manual_seed(config.seed)
     if config.kind in ("eagle", "eagle3"):
-        draft_vocab = None
-        if config.kind == "eagle3":
-            draft_vocab = min(config.draft_vocab_size, target.get_output_embeddings().weight.shape[0])
+        vocab = target.get_output_embeddings().weight.shape[0]
+        draft_vocab = min(config.draft_vocab_size, vocab) if config.draft_vocab_size else None
+        if draft_vocab == vocab:
+            draft_vocab = None
         head = EagleHead(
             EagleConfig.from_target(
                 target.config,
@@ -94,7 +104,7 @@ def build_module(config: TrainConfig, target: PreTrainedModel, data: HeadDataset
         for p in head.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
-        if config.kind == "eagle3":
+        if draft_vocab is not None:
             ids = frequent_tokens(data, draft_vocab, head.config.vocab_size)
             head.d2t.copy_(ids - torch.arange(draft_vocab))
         return head
@@ -145,31 +155,58 @@ def _flat(
     sequences: list[Sequence], max_len: int
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
     """Per sequence (tokens, hidden, features, prompt_len), cut to max_len positions, in fp32."""
-    return [(s.tokens[:max_len], s.hidden[:max_len].float(), s.features[:max_len].float(), s.prompt_len)
+    return [(s.tokens[:max_len], s.hidden[:max_len].float(),
+             None if s.features is None else s.features[:max_len].float(), s.prompt_len)
             for s in sequences]  # fmt: skip
-
-
-def block_causal_attention(lengths: list[int]):
-    """An attention callable over flat rows holding several sequences back to back."""
-    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    pos = torch.cat([torch.arange(n) for n in lengths])
-    mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
-
-    def attention(q, k, v):
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask[None, None], enable_gqa=True,
-        )  # fmt: skip
-        return out[0].transpose(0, 1)
-
-    return attention, pos
 
 
 def soft_ce(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     return -(target_probs * torch.log_softmax(logits.float(), -1)).sum(-1).mean()
 
 
+class UnrolledAttention:
+    """Attention for the training-time test over flat rows holding several sequences.
+
+    Step 0 is the head on the target's features: causal within each sequence. At step k >= 1
+    the input at position t is the head's own step-(k-1) output at t - 1, as a depth-(k+1) draft
+    at inference, which attends to the context the target computed (step-0 keys at positions
+    <= t - k) and to its own ancestors (the step-j key at position t - k + j, for j = 1..k). Each
+    call is the next step; keys and values of earlier steps are kept."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        self.pos = torch.cat([torch.arange(n) for n in lengths])
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def mask(self, step: int) -> torch.Tensor:
+        same = self.seq[:, None] == self.seq[None, :]
+        parts = [same & (self.pos[None, :] <= self.pos[:, None] - step)]
+        for j in range(1, step + 1):
+            parts.append(same & (self.pos[None, :] == self.pos[:, None] - step + j))
+        return torch.cat(parts, dim=1)  # [T, (step + 1) T]
+
+    def valid(self, step: int) -> torch.Tensor:
+        """Rows whose step-``step`` input exists (a position has ``step`` predecessors)."""
+        return self.pos >= step
+
+    def __call__(self, q, k, v):
+        step = len(self.keys)
+        self.keys.append(k)
+        self.values.append(v)
+        keys, values = torch.cat(self.keys), torch.cat(self.values)
+        mask = self.mask(step)
+        mask = mask | ~mask.any(1, keepdim=True)  # rows with no input at this step: any finite output
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=mask[None, None], enable_gqa=True,
+        )  # fmt: skip
+        return out[0].transpose(0, 1)
+
+
 def eagle_loss(head: EagleHead, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
+    """EAGLE's loss at each step of the training-time test (``config.ttt_steps``; 1 = EAGLE-1's
+    and EAGLE-3's step-0 loss alone)."""
     lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
     rows = _flat(batch, config.max_seq_len)
     lengths = [len(t) - 1 for t, *_ in rows]
@@ -179,17 +216,34 @@ def eagle_loss(head: EagleHead, target: PreTrainedModel, batch: list[Sequence], 
     next_hidden = torch.cat([h[1:] for t, h, f, _ in rows])  # h_{t+1}
     if not eagle3 and config.feature_noise:
         features = features + (torch.rand_like(features) * 2 - 1) * config.feature_noise
-    attention, pos = block_causal_attention(lengths)
+    attention = UnrolledAttention(lengths)
+    first = torch.tensor([0, *lengths[:-1]]).cumsum(0)  # each sequence's first row
     with torch.no_grad():
         teacher = lm_head(next_hidden).float()
         embeds = embed(tokens).float()
-    out = head(embeds, head.fuse(features), pos, attention)
-    if eagle3:
-        ids = head.target_ids()
-        probs = torch.softmax(teacher[:, ids], -1)
-        return soft_ce(head.logits(out, lm_head), probs)
-    regression = F.smooth_l1_loss(out, next_hidden)
-    return regression + 0.1 * soft_ce(lm_head(out), torch.softmax(teacher, -1))
+        if eagle3 or head.config.draft_vocab_size is not None:  # the read-out's tokens, renormalised
+            probs = torch.softmax(teacher[:, head.target_ids()], -1)
+        else:
+            probs = torch.softmax(teacher, -1)
+    inputs = head.fuse(features)
+    total, weights = 0.0, 0.0
+    for step in range(config.ttt_steps):
+        out = head(embeds, inputs, attention.pos, attention)
+        keep = attention.valid(step)
+        if not keep.any():
+            break
+        if eagle3:
+            loss = soft_ce(head.logits(out[keep], lm_head), probs[keep])
+        else:
+            token_loss = soft_ce(head.logits(out[keep], lm_head), probs[keep])
+            loss = F.smooth_l1_loss(out[keep], next_hidden[keep]) + 0.1 * token_loss
+        total = total + config.ttt_decay**step * loss
+        weights += config.ttt_decay**step
+        # The next step's input at position t is this step's output at t - 1 (same sequence).
+        shifted = torch.roll(out, 1, dims=0)
+        shifted[first] = 0.0
+        inputs = shifted
+    return total / weights
 
 
 def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
@@ -269,6 +323,11 @@ def train(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rank, world = _distributed()
+    if config.kind == "eagle3" and not data.has_features:
+        raise ValueError(
+            f"{data.folder} holds no EAGLE-3 features (three-layer inputs): write them with "
+            "'treespec train-heads features --eagle3'"
+        )
     target.requires_grad_(False)
     target.float()
     sequences = data.sequences()
@@ -326,7 +385,7 @@ def train(
         state["batch"] = 0
         record = {"epoch": epoch + 1, "steps": state["step"], "mean_loss": sum(losses) / max(len(losses), 1)}
         if rank == 0 and eval_prompts:
-            record["tau"] = evaluate_tau(config, module, target, eval_prompts)
+            record.update(evaluate(config, module, target, eval_prompts))
         state["history"].append(record)
         if rank == 0:
             save_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler, state)
@@ -364,10 +423,11 @@ def proposer_for(config: TrainConfig, module: nn.Module, target: PreTrainedModel
 
 
 @torch.inference_mode()
-def evaluate_tau(
+def evaluate(
     config: TrainConfig, module: nn.Module, target: PreTrainedModel, prompts: list[list[int]]
-) -> float:
-    """Mean tokens per target step through the real engine, T=0, batch 1."""
+) -> dict:
+    """Through the real engine, T=0, batch 1: ``tau`` (mean tokens per target step, the bonus
+    included) and ``acceptance_by_depth`` (:func:`acceptance_by_depth`)."""
     module.eval()
     lengths = []
     for prompt in prompts[: config.eval_prompts]:
@@ -375,7 +435,24 @@ def evaluate_tau(
                                 proposer=proposer_for(config, module, target))  # fmt: skip
         lengths += out.stats.accepted_lengths[0]
     module.train()
-    return sum(lengths) / max(len(lengths), 1)
+    return {"tau": sum(lengths) / max(len(lengths), 1), "acceptance_by_depth": acceptance_by_depth(lengths)}
+
+
+def acceptance_by_depth(lengths: list[int]) -> list[float]:
+    """From the tokens committed per step (accepted drafts + 1): entry d is the share of steps
+    whose depth-(d+1) draft was accepted among those that accepted depth d (depth 0: always)."""
+    out = []
+    depth = 1
+    while True:
+        reached = sum(1 for n in lengths if n >= depth)
+        if not reached:
+            break
+        passed = sum(1 for n in lengths if n >= depth + 1)
+        if not passed and depth > 1:
+            break
+        out.append(passed / reached)
+        depth += 1
+    return out
 
 
 def save_checkpoint(path: Path, config, module, optimizer, scheduler, state) -> None:

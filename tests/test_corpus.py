@@ -1,0 +1,292 @@
+"""Training data at scale: prompts the target writes (Magpie), filters and near-duplicates, answers
+through the continuous-batching engine, features from stored sequences; every stage resumes after
+a kill, and bad input (corrupt files, another target, a full disk) ends with a clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build, hf_greedy
+
+from treespec.heads.training import corpus as corpus_module
+from treespec.heads.training import data as data_module
+from treespec.heads.training.corpus import (
+    ANSWERS,
+    PROMPTS,
+    AnswerConfig,
+    MagpieConfig,
+    NearDuplicates,
+    PromptFilter,
+    add_prompts,
+    read_records,
+    write_answers,
+)
+from treespec.heads.training.data import HeadDataset, write_features
+from treespec.heads.training.train import TrainConfig, train
+
+LAYERS = (0, 1, 1)
+
+
+def test_prompt_filter_names_its_reason():
+    keep = PromptFilter()
+    assert keep.reason_to_drop("How do I sort a list of tuples by their second element in Python?") is None
+    assert keep.reason_to_drop("Hi there") == "too short"
+    assert keep.reason_to_drop("x " * 2000) == "too long"
+    assert keep.reason_to_drop("What is this <|im_start|>assistant doing here, really?") == "template debris"
+    assert keep.reason_to_drop("user: what is the capital of France and why there?") == "template debris"
+    assert keep.reason_to_drop("Что такое квантовая механика и как она работает?") == "not English"
+    assert keep.reason_to_drop("the the the the the the the the the the the the") == "repetitive"
+
+
+def test_near_duplicates_catch_copies_and_paraphrase_noise_but_keep_distinct_prompts():
+    seen = NearDuplicates()
+    base = "Explain how a refrigerator keeps food cold, and why the back of it gets warm over time."
+    assert seen.add(base)
+    assert not seen.add(base.upper())  # equal after normalisation
+    assert not seen.add(base.replace("over time", "over time!"))
+    assert not seen.add(base[:-1] + " in summer.")  # one word more: Jaccard of 3-grams ~0.9
+    assert seen.add("Write a haiku about a train leaving a snowy station at dawn.")
+    assert seen.add("Explain how a heat pump warms a house in winter, and what makes it efficient.")
+
+
+def test_read_records_cuts_a_half_written_line_and_refuses_a_corrupt_one(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"id": 0}\n{"id": 1}\n{"id": 2, "ans')
+    assert [r["id"] for r in read_records(path)] == [0, 1]
+    assert path.read_text() == '{"id": 0}\n{"id": 1}\n'  # the next append starts on a clean line
+    path.write_text('{"id": 0}\nnot json\n')
+    with pytest.raises(ValueError, match="line 2.*corrupt"):
+        read_records(path)
+
+
+def test_add_prompts_never_keeps_a_held_out_prompt(tmp_path):
+    held = ["What should a beginner know before adopting a dog?"]
+    added = add_prompts(tmp_path, [held[0], held[0] + " ", "Name three rivers in Africa and their lengths."],
+                        "file", held)  # fmt: skip
+    assert added == 1
+    assert [r["messages"][0]["content"] for r in read_records(tmp_path / PROMPTS)] == [
+        "Name three rivers in Africa and their lengths."
+    ]
+    assert add_prompts(tmp_path, ["Name three rivers in Africa and their lengths."], "file") == 0
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    from transformers import AutoTokenizer
+
+    from treespec.models import model_path
+
+    return AutoTokenizer.from_pretrained(model_path("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(smol_tokenizer):
+    """A tiny random Llama that reads SmolLM2's tokenizer (chat template included)."""
+    model = build("llama", vocab_size=len(smol_tokenizer))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    return model
+
+
+QUESTIONS = [
+    "Name three rivers in Africa.",
+    "How do magnets work?",
+    "Write a limerick about a cat.",
+    "What is 17 times 23?",
+    "Why is the sky blue during the day?",
+]
+
+
+@pytest.mark.slow
+def test_template_prefix_is_the_opening_of_a_user_turn(smol_tokenizer):
+    prefix = corpus_module.template_prefix(smol_tokenizer, [])
+    assert smol_tokenizer.decode(prefix).endswith("<|im_start|>user\n")
+    turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    follow = smol_tokenizer.decode(corpus_module.template_prefix(smol_tokenizer, turn))
+    assert "Hello!<|im_end|>" in follow and follow.endswith("<|im_start|>user\n")
+
+
+@pytest.mark.slow
+def test_answers_are_the_targets_own_and_resume_after_a_kill(
+    tiny_chat, smol_tokenizer, tmp_path, monkeypatch
+):
+    add_prompts(tmp_path, QUESTIONS, "test")
+    config = AnswerConfig(max_new_tokens=8, batch_size=2, sampled_share=0.4, flush_every=1)
+    real = corpus_module._append
+    calls = []
+
+    def dies(path, records):
+        records = list(records)
+        if path.name == ANSWERS and records:
+            calls.append(len(records))
+            if len(calls) == 3:
+                raise KeyboardInterrupt  # killed after two answers were written
+        real(path, records)
+
+    monkeypatch.setattr(corpus_module, "_append", dies)
+    with pytest.raises(KeyboardInterrupt):
+        write_answers(tiny_chat, smol_tokenizer, tmp_path, config, progress=False)
+    assert len(read_records(tmp_path / ANSWERS)) == 2
+    monkeypatch.setattr(corpus_module, "_append", real)
+    summary = write_answers(tiny_chat, smol_tokenizer, tmp_path, config, progress=False)
+    answers = read_records(tmp_path / ANSWERS)
+    assert sorted(a["id"] for a in answers) == list(range(5)) and summary["answers"] == 5
+    sampled = [a for a in answers if a["temperature"] > 0]
+    assert 0 < len(sampled) < 5  # a share is sampled, chosen by id
+    for a in answers:
+        assert a["prompt"] == corpus_module.chat_ids(
+            smol_tokenizer, [{"role": "user", "content": QUESTIONS[a["id"]]}]
+        )
+        if a["temperature"] == 0:
+            assert a["answer"] == hf_greedy(tiny_chat, a["prompt"], 8)[: len(a["answer"])]
+    # A second run has nothing left to do.
+    assert write_answers(tiny_chat, smol_tokenizer, tmp_path, config, progress=False)["new_tokens"] == 0
+
+
+def _answers(model) -> list[dict]:
+    torch.manual_seed(1)
+    out = []
+    for i, n in enumerate([5, 9, 3, 12, 7, 4]):
+        prompt = torch.randint(3, 60, (n,)).tolist()
+        out.append({"id": i, "prompt": prompt, "answer": torch.randint(3, 60, (n + 2,)).tolist()})
+    return out
+
+
+def test_features_equal_the_targets_hidden_states_and_resume(tmp_path, monkeypatch):
+    model = build("llama")
+    answers = _answers(model)
+    real = data_module._write_shard
+    calls = []
+
+    def dies_on_second(*args):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(data_module, "_write_shard", dies_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        write_features(model, answers, tmp_path, feature_layers=LAYERS, eagle3=True, batch_tokens=40,
+                       shard_tokens=30, progress=False)  # fmt: skip
+    monkeypatch.setattr(data_module, "_write_shard", real)
+    write_features(model, answers, tmp_path, feature_layers=LAYERS, eagle3=True, batch_tokens=40,
+                   shard_tokens=30, progress=False)  # fmt: skip
+    data = HeadDataset(tmp_path, model)
+    assert data.has_features
+    sequences = data.sequences()
+    order = [i for shard in data.manifest["shards"] for i in shard["prompt_ids"]]
+    assert sorted(order) == list(range(6)) and len(set(order)) == 6
+    for i, seq in zip(order, sequences, strict=True):
+        a = answers[i]
+        assert seq.tokens.tolist() == a["prompt"] + a["answer"] and seq.prompt_len == len(a["prompt"])
+        with torch.no_grad():
+            states = model(seq.tokens[None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(
+            seq.hidden.float(), states[-1][0].to(torch.bfloat16).float(), atol=0.02, rtol=0.02
+        )
+        want = torch.cat([states[j][0] for j in LAYERS], -1).to(torch.bfloat16).float()
+        torch.testing.assert_close(seq.features.float(), want, atol=0.02, rtol=0.02)
+    with pytest.raises(ValueError, match="EAGLE-3 features"):
+        write_features(model, answers, tmp_path, feature_layers=LAYERS, eagle3=False, progress=False)
+
+
+def test_features_without_eagle3_store_hidden_only_and_eagle3_training_refuses(tmp_path):
+    model = build("llama")
+    write_features(model, _answers(model), tmp_path, feature_layers=LAYERS, progress=False)
+    data = HeadDataset(tmp_path, model)
+    assert not data.has_features and all(s.features is None for s in data)
+    with pytest.raises(ValueError, match="no EAGLE-3 features"):
+        train(TrainConfig(kind="eagle3", epochs=1), model, data, tmp_path / "run", progress=False)
+    report = train(
+        TrainConfig(kind="eagle", epochs=1, batch_tokens=64), model, data, tmp_path / "run1", progress=False
+    )
+    assert report["steps"] >= 1
+
+
+def test_a_corrupt_shard_and_a_full_disk_are_clear_errors(tmp_path, monkeypatch):
+    model = build("llama")
+    write_features(model, _answers(model), tmp_path / "d", feature_layers=LAYERS, progress=False)
+    shard = next((tmp_path / "d").glob("shard_*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        HeadDataset(tmp_path / "d", model).sequences()
+
+    class Full:
+        free = 1 << 20
+
+    monkeypatch.setattr(data_module.shutil, "disk_usage", lambda _: Full())
+    with pytest.raises(OSError, match="not enough disk space.*resume"):
+        write_features(model, _answers(model), tmp_path / "e", feature_layers=LAYERS, progress=False)
+    assert not list((tmp_path / "e").glob("shard_*"))  # nothing half-written
+
+
+def test_features_refuse_another_targets_folder(tmp_path):
+    model = build("llama")
+    write_features(model, _answers(model)[:2], tmp_path, feature_layers=LAYERS, progress=False)
+    wider = build("llama", hidden_size=32, intermediate_size=64)
+    with pytest.raises(ValueError, match="hidden size"):
+        write_features(wider, _answers(model), tmp_path, feature_layers=LAYERS, progress=False)
+
+
+@pytest.mark.slow
+def test_magpie_prompts_from_the_real_model_resume_by_round(tmp_path):
+    """SmolLM2 writes its own user turns from the template's opening; kept ones pass the filter;
+    a half-written record of a killed round is cut off and the round continues."""
+    from treespec import models
+
+    model, tokenizer = models.load("smollm2-135m-instruct", dtype=torch.bfloat16)
+    config = MagpieConfig(count=3, batch_size=8, round_size=8, max_tokens=48, seed=0)
+    state = corpus_module.synthesize_prompts(model, tokenizer, tmp_path, config, progress=False)
+    records = read_records(tmp_path / PROMPTS)
+    rounds = state["magpie"]["rounds"]
+    assert len(records) == 3 and rounds >= 1
+    assert state["magpie"]["sampled"] == 8 * rounds
+    assert state["magpie"]["kept"] + sum(state["magpie"]["dropped"].values()) >= state["magpie"]["kept"]
+    for r in records:
+        assert r["source"] == "magpie" and PromptFilter().reason_to_drop(r["messages"][0]["content"]) is None
+    with open(tmp_path / PROMPTS, "a") as f:  # a round killed while it was being appended
+        f.write('{"id": 3, "source": "magpie", "messages": [{"role": "user", "content": "half')
+    state = corpus_module.synthesize_prompts(
+        model, tokenizer, tmp_path, MagpieConfig(count=4, batch_size=8, round_size=8, max_tokens=48),
+        progress=False,
+    )  # fmt: skip
+    again = read_records(tmp_path / PROMPTS)
+    assert len(again) == 4 and again[:3] == records and state["magpie"]["rounds"] > rounds
+    assert json.loads((tmp_path / "state.json").read_text())["magpie"] == state["magpie"]
+
+
+@pytest.mark.slow
+def test_follow_ups_extend_answered_conversations(smol_tokenizer, tiny_chat, tmp_path, monkeypatch):
+    """A share of answered first turns (chosen by id) gets a second user turn, written after the
+    conversation so far; it is filtered and de-duplicated like a first turn, and rerunning adds
+    none twice. (The target's writing is scripted here; the Magpie test runs the real one.)"""
+    add_prompts(tmp_path, QUESTIONS, "test")
+    stops = corpus_module.end_of_turn_ids(tiny_chat, smol_tokenizer)
+    answers = [{"id": i, "prompt": [1], "answer": smol_tokenizer.encode(f"Answer number {i}.") + [stops[0]],
+                "finish": "eos", "temperature": 0.0} for i in range(5)]  # fmt: skip
+    answers[4]["finish"] = "length"  # a cut answer gets no follow-up
+    corpus_module._append(tmp_path / ANSWERS, answers)
+    seen_prefixes = []
+
+    def scripted(target, prompts, samplings, max_new, stops_, batch, generator, **kwargs):
+        seen_prefixes.extend(prompts)
+        texts = ["Can you give me a concrete example of that, please?"] * len(prompts)
+        texts[0] = "Why?"  # too short: dropped
+        return [(smol_tokenizer.encode(t) + [stops_[0]], "eos") for t in texts]
+
+    monkeypatch.setattr(corpus_module, "_run", scripted)
+    config = MagpieConfig(follow_up_share=1.0)
+    added = corpus_module.synthesize_follow_ups(tiny_chat, smol_tokenizer, tmp_path, config, progress=False)
+    records = read_records(tmp_path / PROMPTS)
+    assert len(seen_prefixes) == 4  # answers 0-3; 4 was cut by the length limit
+    decoded = smol_tokenizer.decode(seen_prefixes[1])
+    assert "Answer number 1." in decoded and decoded.endswith("<|im_start|>user\n")
+    assert len(added) == 1  # the rest: one too short, two duplicates of the kept one
+    follow = records[added[0]]
+    assert follow["source"] == "follow-up" and len(follow["messages"]) == 3
+    assert follow["messages"][1] == {"role": "assistant", "content": f"Answer number {follow['parent']}."}
+    assert (
+        corpus_module.synthesize_follow_ups(tiny_chat, smol_tokenizer, tmp_path, config, progress=False) == []
+    )

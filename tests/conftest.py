@@ -98,3 +98,19 @@ def oracle_table(prompts: list[list[int]], max_new_tokens: int):
         return cache[family]
 
     return get
+
+
+def record_drafted(proposer) -> set[int]:
+    """Wrap ``proposer.propose`` so that every drafted token (the roots left out) lands in the
+    returned set, which fills as the proposer runs."""
+    drafted: set[int] = set()
+    original = proposer.propose
+
+    def recording(requests):
+        tree = original(requests)
+        roots = set(tree.cu_nodes[:-1].tolist())
+        drafted.update(t for i, t in enumerate(tree.tokens.tolist()) if i not in roots)
+        return tree
+
+    proposer.propose = recording
+    return drafted

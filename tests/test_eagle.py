@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build, oracle_table
+from conftest import build, oracle_table, record_drafted
 
 import treespec
 from treespec import heads as heads_module
@@ -475,16 +475,7 @@ def test_a_reduced_readout_drafts_only_its_tokens_and_keeps_the_output():
     model = build("llama")
     ids = list(range(0, 80, 2))
     proposer = EagleProposer(random_head(model), model, depth=3, top_k=4, total_tokens=12, readout_ids=ids)
-    drafted = set()
-    original = proposer.propose
-
-    def recording(requests):
-        tree = original(requests)
-        roots = set(tree.cu_nodes[:-1].tolist())
-        drafted.update(t for i, t in enumerate(tree.tokens.tolist()) if i not in roots)
-        return tree
-
-    proposer.propose = recording
+    drafted = record_drafted(proposer)
     prompt = [5, 9, 2, 7, 7, 3]
     out = treespec.generate(model, [prompt], max_new_tokens=16, proposer=proposer)
     assert out.sequences[0] == hf_greedy(model, prompt, 16)

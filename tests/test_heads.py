@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import build, oracle_table
+from conftest import build, oracle_table, record_drafted
 
 import treespec
 from treespec import heads as heads_module
@@ -274,16 +274,7 @@ def test_a_reduced_medusa_readout_drafts_only_its_tokens_and_keeps_the_output(tr
     ids = list(range(1, 90, 2))
     kwargs = {"dynamic": (2, 7)} if tree == "dynamic" else {"tree": full_tree(2, 3)}
     proposer = MedusaProposer(heads, model, readout_ids=ids, **kwargs)
-    drafted = set()
-    original = proposer.propose
-
-    def recording(requests):
-        out = original(requests)
-        roots = set(out.cu_nodes[:-1].tolist())
-        drafted.update(t for i, t in enumerate(out.tokens.tolist()) if i not in roots)
-        return out
-
-    proposer.propose = recording
+    drafted = record_drafted(proposer)
     out = treespec.generate(model, PROMPTS, max_new_tokens=NEW, proposer=proposer)
     assert out.sequences == want
     assert drafted and drafted <= set(ids)

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import build, oracle_table
+from conftest import build, oracle_table, record_drafted
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import treespec
@@ -78,16 +78,7 @@ def test_a_reduced_readout_keeps_the_token_ids(expected):
                             proposer=DraftModelProposer(model, shape=chain(3), readout_ids=shuffled))  # fmt: skip
     assert out.sequences == want and out.stats.tau == 4
     subset = DraftModelProposer(model, dynamic=(2, 3, 6), readout_ids=range(0, 128, 2))
-    seen = set()
-    original = subset.propose
-
-    def recording(requests):
-        tree = original(requests)
-        roots = set(tree.cu_nodes[:-1].tolist())
-        seen.update(t for i, t in enumerate(tree.tokens.tolist()) if i not in roots)
-        return tree
-
-    subset.propose = recording
+    seen = record_drafted(subset)
     assert treespec.generate(model, PROMPTS, max_new_tokens=NEW, proposer=subset).sequences == want
     assert seen and all(t % 2 == 0 for t in seen)
     with pytest.raises(ValueError, match="top_k"):

@@ -218,6 +218,8 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     prompts.add_argument(
         "--max-tokens", type=int, default=96, help="longest user turn kept (default: %(default)s)"
     )
+    prompts.add_argument("--round-size", type=int, default=1024,
+                         help="user turns sampled per resumable round (default: %(default)s)")  # fmt: skip
     prompts.add_argument(
         "--prompts", action="append", default=[], help="also add this prompt file; repeatable"
     )
@@ -281,8 +283,8 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--medusa-heads", type=int, default=3)
     fit.add_argument("--draft-layers", type=int, default=2)
     fit.add_argument("--draft-vocab-size", type=int, default=8192,
-                     help="EAGLE kinds: read-out vocabulary, the data's most frequent tokens (0: all; "
-                     "default: %(default)s)")  # fmt: skip
+                     help="read-out vocabulary: EAGLE kinds, the data's most frequent tokens; Medusa and "
+                     "draft, the first N ids, as treespec bench drafts (0: all; default: %(default)s)")  # fmt: skip
     fit.add_argument("--ttt-steps", type=int, default=1,
                      help="EAGLE kinds: training-time test, steps the head runs on its own outputs, "
                      "the first included (default: %(default)s, off)")  # fmt: skip
@@ -345,7 +347,8 @@ def _train_heads_prompts(args: argparse.Namespace) -> int:
         args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32
     )
     config = MagpieConfig(count=args.count, batch_size=args.batch_size, max_tokens=args.max_tokens,
-                          temperature=args.temperature, top_p=args.top_p, seed=args.seed)  # fmt: skip
+                          round_size=args.round_size, temperature=args.temperature, top_p=args.top_p,
+                          seed=args.seed)  # fmt: skip
     state = synthesize_prompts(model, tokenizer, args.corpus, config, held_out=held_out)
     print(json.dumps(state["magpie"] | {"held_out": len(held_out)}, indent=1))
     return EXIT_OK

@@ -185,20 +185,27 @@ class NearDuplicates:
         mixed = (base[:, None] ^ self._salts[None, :]) * 0x2545F4914F6CDD1D  # wraps: a fixed permutation
         return mixed.min(0).values
 
-    def add(self, text: str) -> bool:
-        key = normalise(text)
-        if key in self.exact:
-            return False
-        sig = self.signature(text)
-        index = len(self.signatures)
-        bands = [
+    def _bands(self, sig: torch.Tensor) -> list[tuple[int, bytes]]:
+        return [
             (b, sig[b * self.rows : (b + 1) * self.rows].numpy().tobytes())
             for b in range(len(sig) // self.rows)
         ]
-        candidates = {i for band in bands for i in self.buckets.get(band, ())}
-        for i in candidates:
-            if (self.signatures[i] == sig).float().mean().item() >= self.threshold:
-                return False
+
+    def contains(self, text: str) -> bool:
+        """Whether ``text`` equals (normalised) or nearly equals a text added before."""
+        if normalise(text) in self.exact:
+            return True
+        sig = self.signature(text)
+        candidates = {i for band in self._bands(sig) for i in self.buckets.get(band, ())}
+        return any((self.signatures[i] == sig).float().mean().item() >= self.threshold for i in candidates)
+
+    def add(self, text: str) -> bool:
+        """Add ``text`` unless it is a duplicate or near duplicate; returns whether it was added."""
+        if self.contains(text):
+            return False
+        key, sig = normalise(text), self.signature(text)
+        index = len(self.signatures)
+        bands = self._bands(sig)
         self.exact.add(key)
         self.signatures.append(sig)
         for band in bands:
@@ -215,7 +222,7 @@ class NearDuplicates:
 class MagpieConfig:
     count: int = 20000  # prompts to keep (of every source) before the stage stops
     batch_size: int = 64  # requests decoding at once
-    round_size: int = 256  # user turns sampled per resumable round
+    round_size: int = 1024  # user turns sampled per resumable round
     max_tokens: int = 96  # a user turn longer than this is dropped
     temperature: float = 1.0
     top_p: float = 0.95
@@ -226,15 +233,20 @@ class MagpieConfig:
 
 
 def add_prompts(folder: str | Path, texts: list[str], source: str, held_out: Iterable[str] = ()) -> int:
-    """Append prompts of another source (built-in templates, a user file), skipping exact and near
-    duplicates of what the folder holds and any held-out prompt. Returns how many were added."""
+    """Append prompts of another source (built-in templates, a user file), skipping exact
+    duplicates of what the folder holds and exact or near duplicates of a held-out prompt (a
+    source's own prompts may share a passage with different tasks: they are kept). Returns how
+    many were added."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     records = read_records(folder / PROMPTS)
-    seen = _index(records, held_out)
+    held = _index([], held_out)
+    exact = {normalise(r["messages"][-1]["content"]) for r in records}
     fresh = []
     for text in texts:
-        if seen.add(text):
+        key = normalise(text)
+        if key not in exact and not held.contains(text):
+            exact.add(key)
             fresh.append({"id": len(records) + len(fresh), "source": source,
                           "messages": [{"role": "user", "content": text}]})  # fmt: skip
     _append(folder / PROMPTS, fresh)
@@ -380,7 +392,8 @@ def synthesize_follow_ups(
 ) -> list[int]:
     """Second turns: for a ``config.follow_up_share`` of the answered single-turn conversations
     (chosen by id, so a rerun picks the same), the target writes a follow-up question after its
-    own answer; each kept one is a new prompt record of three messages. Returns their ids. Run it after :func:`write_answers`; answer the new records with a second
+    own answer; each kept one is a new prompt record of three messages. Returns their ids.
+    Run it after :func:`write_answers`; answer the new records with a second
     :func:`write_answers` call."""
     folder = Path(folder)
     target = model if isinstance(model, Target) else Target(model)

@@ -16,6 +16,9 @@ its distribution p_t = softmax(lm_head(h_t)) over x_{t+1}):
   x_{t+i+2} (offsets 2, 3, ...), on answer positions only, weighted 0.8^i.
 - ``draft``: the target's first layers (heads/draft.py) trained with CE against p_t at every
   position (distillation on the target's distribution).
+- Medusa and draft read out through the first ``draft_vocab_size`` rows of the LM head (the
+  frequent ids of a BPE vocabulary), as ``treespec bench`` drafts with them: labels outside are
+  ignored, the teacher's distribution is renormalised over them.
 
 AdamW, linear warm-up then cosine decay to 10 %, gradient clipping, a checkpoint after every
 epoch (and every ``checkpoint_every`` steps) that ``resume`` continues from exactly (model,
@@ -68,7 +71,9 @@ class TrainConfig:
     ttt_decay: float = 0.8
     medusa_heads: int = 3
     draft_layers: int = 2
-    draft_vocab_size: int = 8192  # both EAGLE kinds: the data's most frequent tokens (0: all)
+    draft_vocab_size: int = (
+        8192  # read-out rows (0: all): EAGLE, the most frequent tokens; else the first ids
+    )
     checkpoint_every: int = 0  # steps; 0: only at the end of each epoch
     eval_new_tokens: int = 128
     eval_prompts: int = 8
@@ -265,8 +270,10 @@ def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequenc
         )
     if not rows:
         return sum(p.sum() for p in trainable(heads)) * 0  # no answer position in this batch
-    logits = heads(torch.cat(rows), target.get_output_embeddings())  # [N, K, V]
+    readout = FirstRows(target.get_output_embeddings(), readout_size(config, target))
+    logits = heads(torch.cat(rows), readout)  # [N, K, readout rows]
     labels_t = torch.cat(labels)
+    labels_t[labels_t >= readout.rows] = -100  # never drafted through this read-out
     total, weights = logits.new_zeros(()), 0.0
     for i in range(num_heads):
         if (labels_t[:, i] >= 0).any():
@@ -283,11 +290,33 @@ def draft_loss(draft: PreTrainedModel, target: PreTrainedModel, batch: list[Sequ
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for b, (tokens, *_rest) in enumerate(rows):
         ids[b, : len(tokens)], mask[b, : len(tokens)] = tokens, 1
-    logits = draft(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    readout = FirstRows(lm_head, readout_size(config, target))
     keep = mask.bool()
+    hidden = draft.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    logits = readout(hidden[keep])
     with torch.no_grad():
-        teacher = torch.softmax(lm_head(torch.cat([h for _, h, _, _ in rows])).float(), -1)
-    return soft_ce(logits[keep], teacher)
+        teacher = torch.softmax(readout(torch.cat([h for _, h, _, _ in rows])).float(), -1)
+    return soft_ce(logits, teacher)
+
+
+class FirstRows(nn.Module):
+    """The first ``rows`` rows of an LM head (a view, no copy): the read-out Medusa heads and
+    draft models are trained through, as ``treespec bench --draft-vocab`` drafts with them."""
+
+    def __init__(self, lm_head: nn.Module, rows: int) -> None:
+        super().__init__()
+        self.lm_head, self.rows = lm_head, rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.lm_head.bias is None else self.lm_head.bias[: self.rows]
+        return F.linear(x, self.lm_head.weight[: self.rows], bias)
+
+
+def readout_size(config: TrainConfig, target: PreTrainedModel) -> int:
+    """Rows of the LM head the Medusa and draft losses read out through (``draft_vocab_size``,
+    0: all); low token ids are the frequent ones in a BPE vocabulary."""
+    vocab = target.get_output_embeddings().weight.shape[0]
+    return min(config.draft_vocab_size, vocab) if config.draft_vocab_size else vocab
 
 
 LOSSES = {"eagle": eagle_loss, "eagle3": eagle_loss, "medusa": medusa_loss, "draft": draft_loss}
@@ -417,9 +446,11 @@ def proposer_for(config: TrainConfig, module: nn.Module, target: PreTrainedModel
     """The proposer tau is measured with: a dynamic tree of at most 32 nodes, root included."""
     if config.kind in ("eagle", "eagle3"):
         return EagleProposer(module, target, depth=5, top_k=8, total_tokens=31)
+    rows = readout_size(config, target)
+    readout = range(rows) if rows < target.get_output_embeddings().weight.shape[0] else None
     if config.kind == "medusa":
-        return MedusaProposer(module, target, dynamic=(8, 31))
-    return DraftModelProposer(module, target_model=target, dynamic=(4, 5, 31))
+        return MedusaProposer(module, target, dynamic=(8, 31), readout_ids=readout)
+    return DraftModelProposer(module, target_model=target, dynamic=(4, 5, 31), readout_ids=readout)
 
 
 @torch.inference_mode()

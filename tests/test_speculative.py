@@ -176,15 +176,18 @@ def speculated_pair_distribution(model, prompt, vocab):
 
 
 @pytest.mark.parametrize(
-    "shape,sample", [(chain(2), True), (full_tree(2, 2), True), (full_tree(2, 2), False)]
-)
-def test_end_to_end_sampling_is_lossless(shape, sample):
+    "shape,sample,readout",
+    [(chain(2), True, None), (full_tree(2, 2), True, None), (full_tree(2, 2), False, None),
+     (full_tree(2, 2), True, [0, 2, 3, 5, 6, 7])],  # a reduced read-out: q = 0 for tokens 1 and 4
+    ids=["chain-sampled", "tree-sampled", "tree-top-k", "tree-sampled-reduced-readout"],
+)  # fmt: skip
+def test_end_to_end_sampling_is_lossless(shape, sample, readout):
     """Many identical prompts in one batch at temperature 1: generated tokens 2 and 3 follow plain
     target sampling (chi-square over 64 cells, rare cells pooled, p = 1e-4)."""
     vocab, draws, prompt = 8, 4000, [1, 2, 3]
     target, draft = tiny_pair(vocab)
     proposer = DraftModelProposer(draft, shape=shape, sample=sample, max_batch_size=draws, max_len=16,
-                                  generator=torch.Generator().manual_seed(5))  # fmt: skip
+                                  generator=torch.Generator().manual_seed(5), readout_ids=readout)  # fmt: skip
     out = treespec.generate(
         target, [prompt] * draws, max_new_tokens=4, temperature=1.0, proposer=proposer,
         generator=torch.Generator().manual_seed(6),

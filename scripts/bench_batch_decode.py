@@ -1,0 +1,52 @@
+"""Large-batch throughput of the engine, as the data stages use it: B requests (the training
+prompts, chat template applied) prefill together, then decode ``--new`` tokens each.
+
+    python scripts/bench_batch_decode.py [--batch 64] [--dtype bf16] [--new 40]
+
+Prints the prefill rate and the median decode step (tokens per second at that batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from treespec import models
+from treespec.engine import Engine
+from treespec.heads.training.corpus import chat_ids
+from treespec.heads.training.prompts import train_prompts
+from treespec.target import Target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--new", type=int, default=40)
+    args = parser.parse_args()
+    model, tokenizer = models.load(
+        args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    )
+    target = Target(model)
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": p}]) for p in train_prompts()[: args.batch]]
+    engine = Engine(target, max_batch_size=args.batch, max_len=max(map(len, prompts)) + args.new)
+    for prompt in prompts:
+        engine.add_request(prompt, max_new_tokens=args.new, eos_token_id=[])
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    prefill = sum(map(len, prompts))
+    step = statistics.median(times[1:])
+    print(f"{args.dtype} batch {args.batch}, linear {target.linear_backend}: prefill {prefill} tokens in "
+          f"{times[0]:.1f} s ({prefill / times[0]:.0f} tokens/s); decode step {1e3 * step:.0f} ms "
+          f"({args.batch / step:.0f} tokens/s)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

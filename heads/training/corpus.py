@@ -312,17 +312,13 @@ def synthesize_prompts(
         records += fresh
         magpie.update(rounds=magpie["rounds"] + 1,
                       sampled=magpie["sampled"] + len(texts), kept=magpie["kept"] + len(fresh),
-                      dropped=dict(dropped), config=_jsonable(config))  # fmt: skip
+                      dropped=dict(dropped), config=asdict(config))  # fmt: skip
         _write_json(state_path, state)
         bar.update(len(fresh))
         bar.set_postfix(tok_per_s=f"{sampled_tokens / (time.perf_counter() - start):.0f}",
                         kept=f"{magpie['kept'] / max(magpie['sampled'], 1):.0%}")  # fmt: skip
     bar.close()
     return state
-
-
-def _jsonable(config: MagpieConfig) -> dict:
-    return asdict(config)
 
 
 def _sample_round(target, tokenizer, prefix, stops, config: MagpieConfig, round_index: int):

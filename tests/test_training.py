@@ -14,7 +14,15 @@ from treespec import heads as heads_module
 from treespec.heads.training import data as data_module
 from treespec.heads.training.data import HeadDataset, write_dataset
 from treespec.heads.training.prompts import DEV_PROMPTS, read_prompt_file, train_prompts
-from treespec.heads.training.train import LOSSES, TrainConfig, build_module, make_batches, train, trainable
+from treespec.heads.training.train import (
+    LOSSES,
+    TrainConfig,
+    build_module,
+    make_batches,
+    token_subset,
+    train,
+    trainable,
+)
 
 PROMPTS = [list(range(5, 12)), [20, 21, 22], list(range(30, 45)), [7, 8], [50, 51, 52, 53], [90, 3]]
 LAYERS = (0, 1, 1)
@@ -119,6 +127,41 @@ def test_resume_continues_exactly(tiny_data, tmp_path, kind):
             resume=True,
             progress=False,
         )
+
+
+def test_token_subsets_nest_and_count_answer_tokens(tiny_data):
+    model, folder = tiny_data
+    sequences = HeadDataset(folder, model).sequences()
+    answers = [len(s.tokens) - s.prompt_len for s in sequences]
+    small, large = token_subset(sequences, 20), token_subset(sequences, 40)
+    size = [sum(len(s.tokens) - s.prompt_len for s in part) for part in (small, large)]
+    assert 20 <= size[0] < 20 + max(answers) and 40 <= size[1] < 40 + max(answers)
+    # the order is fixed by each sequence's tokens: a grown corpus (here reversed) gives the same
+    # subset, and the smaller subset opens the larger one
+    assert [s.tokens.tolist() for s in token_subset(sequences[::-1], 40)] == [
+        s.tokens.tolist() for s in large
+    ]
+    assert [s.tokens.tolist() for s in large[: len(small)]] == [s.tokens.tolist() for s in small]
+    with pytest.raises(
+        ValueError, match=f"data_tokens=1000 but the data holds only {sum(answers)} answer tokens"
+    ):
+        token_subset(sequences, 1000)
+    with pytest.raises(ValueError, match="data_tokens must be a positive int"):
+        TrainConfig(kind="eagle", data_tokens=0)
+
+
+def test_resume_on_other_data_is_refused(tiny_data, tmp_path):
+    model, folder = tiny_data
+    data = HeadDataset(folder, model)
+    config = TrainConfig(kind="medusa", epochs=1, batch_tokens=40, medusa_heads=2, eval_prompts=0)
+    train(config, model, data, tmp_path, max_steps=1, progress=False)
+    fewer = TrainConfig(
+        kind="medusa", epochs=1, batch_tokens=40, medusa_heads=2, eval_prompts=0, data_tokens=20
+    )
+    with pytest.raises(ValueError, match="trained on other data or another plan.*use a new --out folder"):
+        train(fewer, model, data, tmp_path, resume=True, progress=False)
+    report = train(fewer, model, data, tmp_path / "subset", progress=False)
+    assert 20 <= report["answer_tokens"] < sum(len(s.tokens) - s.prompt_len for s in data.sequences())
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "draft"])

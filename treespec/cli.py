@@ -288,6 +288,9 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--ttt-steps", type=int, default=1,
                      help="EAGLE kinds: training-time test, steps the head runs on its own outputs, "
                      "the first included (default: %(default)s, off)")  # fmt: skip
+    fit.add_argument("--data-tokens", type=int, default=None,
+                     help="train on whole sequences until this many answer tokens, in an order fixed by "
+                     "their tokens, so subsets nest as the data grows (default: all)")  # fmt: skip
     fit.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: each epoch)")
     fit.add_argument(
         "--eval-prompts", type=int, default=8, help="dev prompts for the per-epoch tau (0: none)"
@@ -433,13 +436,17 @@ def _train_heads_train(args: argparse.Namespace) -> int:
         batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len, grad_clip=args.grad_clip,
         medusa_heads=args.medusa_heads, draft_layers=args.draft_layers, draft_vocab_size=args.draft_vocab_size,
         checkpoint_every=args.checkpoint_every, eval_new_tokens=args.eval_new_tokens, ttt_steps=args.ttt_steps,
-        eval_prompts=args.eval_prompts, seed=args.seed,
+        eval_prompts=args.eval_prompts, seed=args.seed, data_tokens=args.data_tokens,
     )  # fmt: skip
     dev = encode_prompts(tokenizer, DEV_PROMPTS) if args.eval_prompts else None
     report = train(
         config, model, data, args.out, resume=args.resume, eval_prompts=dev, max_steps=args.max_steps
     )
-    print(json.dumps({k: report[k] for k in ("steps", "history", "wall_s", "data_tokens")}, indent=1))
+    print(
+        json.dumps(
+            {k: report[k] for k in ("steps", "history", "wall_s", "data_tokens", "answer_tokens")}, indent=1
+        )
+    )
     return EXIT_OK
 
 

@@ -289,7 +289,7 @@ def synthesize_prompts(
     prefix = template_prefix(tokenizer, [])
     stops = end_of_turn_ids(target.model, tokenizer)
     bar = tqdm(total=config.count, initial=min(len(records), config.count), desc="writing prompts",
-               unit="prompt", disable=not progress)  # fmt: skip
+               unit="prompt", smoothing=0, disable=not progress)  # fmt: skip
     start, sampled_tokens = time.perf_counter(), 0
     while len(records) < config.count:
         texts, tokens = _sample_round(target, tokenizer, prefix, stops, config, magpie["rounds"])
@@ -410,7 +410,8 @@ def synthesize_follow_ups(
         for r in chosen
     ]
     prefixes = [template_prefix(tokenizer, c) for c in conversations]
-    added, bar = [], tqdm(total=len(chosen), desc="writing follow-ups", unit="prompt", disable=not progress)
+    added: list[str] = []
+    bar = tqdm(total=len(chosen), desc="writing follow-ups", unit="prompt", smoothing=0, disable=not progress)
     for first in range(0, len(chosen), config.round_size):
         part = slice(first, first + config.round_size)
         generator = torch.Generator(device=target.device).manual_seed(config.seed * 7919 + first)
@@ -492,7 +493,7 @@ def write_answers(
     if config.answer_tokens is not None and total >= config.answer_tokens:
         encoded = []  # enough answers already
     bar = tqdm(total=config.answer_tokens or len(encoded) * config.max_new_tokens, initial=total,
-               desc="answering", unit="tok", disable=not progress)  # fmt: skip
+               desc="answering", unit="tok", smoothing=0, disable=not progress)  # fmt: skip
     start, new_tokens, buffer = time.perf_counter(), 0, []
     samplings = [
         SamplingParams(config.temperature) if _share(r["id"], config.seed) < config.sampled_share

@@ -276,7 +276,7 @@ def write_features(
     todo = [a for a in answers if a["id"] not in done and a["answer"]]
     todo = [a for a in todo if len(a["prompt"]) + len(a["answer"]) <= max_len]
     bar = tqdm(total=sum(len(a["prompt"]) + len(a["answer"]) for a in todo), desc="features", unit="tok",
-               disable=not progress)  # fmt: skip
+               smoothing=0, disable=not progress)  # fmt: skip
     start, count = time.perf_counter(), 0
     while todo:
         shard, size = [], 0

@@ -29,11 +29,13 @@ every world-th batch; rank 0 writes and evaluates.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -78,12 +80,17 @@ class TrainConfig:
     eval_new_tokens: int = 128
     eval_prompts: int = 8
     seed: int = 0
+    # train on a subset: whole sequences, in an order fixed by their tokens, until this many
+    # answer tokens (None: all). The subsets of one corpus nest as it grows (learning curves).
+    data_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be an int >= 1, got {self.ttt_steps!r}")
+        if self.data_tokens is not None and (not isinstance(self.data_tokens, int) or self.data_tokens < 1):
+            raise ValueError(f"data_tokens must be a positive int or None, got {self.data_tokens!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,7 +98,10 @@ class TrainConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def build_module(config: TrainConfig, target: PreTrainedModel, data: HeadDataset) -> nn.Module:
+def build_module(
+    config: TrainConfig, target: PreTrainedModel, data: HeadDataset, sequences: list[Sequence] | None = None
+) -> nn.Module:
+    """The module to train; an EAGLE draft vocabulary comes from ``sequences`` (default: all data)."""
     torch.manual_seed(config.seed)
     if config.kind in ("eagle", "eagle3"):
         vocab = target.get_output_embeddings().weight.shape[0]
@@ -110,7 +120,9 @@ def build_module(config: TrainConfig, target: PreTrainedModel, data: HeadDataset
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
         if draft_vocab is not None:
-            ids = frequent_tokens(data, draft_vocab, head.config.vocab_size)
+            ids = frequent_tokens(
+                data if sequences is None else sequences, draft_vocab, head.config.vocab_size
+            )
             head.d2t.copy_(ids - torch.arange(draft_vocab))
         return head
     if config.kind == "medusa":
@@ -122,12 +134,35 @@ def build_module(config: TrainConfig, target: PreTrainedModel, data: HeadDataset
     return draft
 
 
-def frequent_tokens(data: HeadDataset, k: int, vocab_size: int) -> torch.Tensor:
+def frequent_tokens(data: Iterable[Sequence], k: int, vocab_size: int) -> torch.Tensor:
     """The k tokens that occur most in the data, sorted by id: an EAGLE-3 draft vocabulary."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for seq in data:
         counts += torch.bincount(seq.tokens, minlength=vocab_size)
     return counts.topk(k).indices.sort().values  # ties: torch.topk's order
+
+
+def token_subset(sequences: list[Sequence], answer_tokens: int) -> list[Sequence]:
+    """Whole sequences, ordered by a hash of their tokens, until ``answer_tokens`` answer tokens.
+
+    The order depends only on each sequence, so the subset of a grown corpus holds the subset of
+    the smaller one (up to the sequence that crosses the limit): learning-curve points nest."""
+
+    def key(seq: Sequence) -> bytes:
+        return hashlib.blake2b(seq.tokens.to(torch.int32).numpy().tobytes(), digest_size=8).digest()
+
+    chosen, total = [], 0
+    for seq in sorted(sequences, key=key):
+        if total >= answer_tokens:
+            break
+        chosen.append(seq)
+        total += len(seq.tokens) - seq.prompt_len
+    if total < answer_tokens:
+        raise ValueError(
+            f"data_tokens={answer_tokens} but the data holds only {total} answer tokens; "
+            "write more with 'treespec train-heads answers' and 'features', or ask for fewer"
+        )
+    return chosen
 
 
 def trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -360,7 +395,9 @@ def train(
     target.requires_grad_(False)
     target.float()
     sequences = data.sequences()
-    module = build_module(config, target, data)
+    if config.data_tokens is not None:
+        sequences = token_subset(sequences, config.data_tokens)
+    module = build_module(config, target, data, sequences)
     optimizer = torch.optim.AdamW(
         trainable(module), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
     )
@@ -374,9 +411,18 @@ def train(
         raise ValueError(f"the data makes fewer batches than there are processes ({world})")
     total_steps = sum(len(b) for b in plan)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total_steps))
-    state = {"step": 0, "epoch": 0, "batch": 0, "history": []}
+    # what the plan was made from: a resume on other data would index other batches
+    planned = {"sequences": len(sequences), "positions": sum(len(s.tokens) for s in sequences),
+               "batch_tokens": config.batch_tokens, "max_seq_len": config.max_seq_len,
+               "epochs": config.epochs, "seed": config.seed, "world": world}  # fmt: skip
+    state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "planned": planned}
     if resume and (out_dir / CHECKPOINT).is_file():
         state = load_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler)
+        if state.get("planned", planned) != planned:
+            raise ValueError(
+                f"{out_dir / CHECKPOINT} was trained on other data or another plan ({state['planned']}); "
+                f"this run has {planned}. Resume with the same data and options, or use a new --out folder"
+            )
     loss_fn = LOSSES[config.kind]
     start = time.perf_counter()
     bar = tqdm(
@@ -424,7 +470,8 @@ def train(
         save_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler, state)
     report = {"config": asdict(config), "steps": state["step"], "epochs_done": state["epoch"],
               "history": state["history"], "wall_s": time.perf_counter() - start,
-              "data_tokens": data.num_tokens, "data_sequences": len(sequences),
+              "data_tokens": sum(len(s.tokens) for s in sequences), "data_sequences": len(sequences),
+              "answer_tokens": sum(len(s.tokens) - s.prompt_len for s in sequences),
               "trainable_params": sum(p.numel() for p in trainable(module)),
               # equal on every rank of a data-parallel run (each step averages the gradients)
               "weights_checksum": float(sum(p.detach().double().sum() for p in trainable(module)))}  # fmt: skip

@@ -35,6 +35,21 @@ def test_probs_equal_hf_warpers(temperature, top_k, top_p):
     assert torch.allclose(ours.sum(-1), torch.ones(6))
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99])
+def test_top_p_on_a_large_vocabulary_keeps_hfs_nucleus(top_p):
+    # Peaked rows are decided within the first 256 candidates, flatter ones need 2,048 or the
+    # whole vocabulary: every path must keep exactly the tokens HF's full sort keeps.
+    generator = torch.Generator().manual_seed(1)
+    scales = torch.tensor([12.0, 6.0, 3.0, 1.5, 0.5, 0.05])[:, None]
+    logits = torch.randn(6, 20000, generator=generator) * scales
+    ours = logits_to_probs(logits, SamplingParams(1.0, None, top_p))
+    want = hf_probs(logits, 1.0, None, top_p)
+    assert torch.equal(ours > 0, want > 0)
+    torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-5)
+    kept = (ours > 0).sum(-1)
+    assert kept.min() < 256 < 2048 < kept.max()  # the case covers each round
+
+
 def test_greedy_is_argmax_whatever_the_filters():
     logits = torch.randn(3, 20)
     params = SamplingParams(0.0, top_k=3, top_p=0.5)

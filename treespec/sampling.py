@@ -72,13 +72,27 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Drop the low tail whose total mass is <= 1 - top_p (HF's rule), keeping the top token."""
-    sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
-    tail_mass = sorted_scores.softmax(-1).cumsum(-1)
-    drop_sorted = tail_mass <= 1 - top_p
-    drop_sorted[..., -1] = False  # always keep the most likely token
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return scores.masked_fill(drop, float("-inf"))
+    """Drop the low tail whose total mass is <= 1 - top_p (HF's rule), keeping the top token.
+
+    HF sorts the whole vocabulary; the kept nucleus is usually a few hundred tokens, so this looks
+    only at the top k of each row (k = 256, then 8x more for the rows whose nucleus is wider, up
+    to the whole vocabulary). A token outside the top k has at most the mass outside the top k
+    below it in ascending order, so once that mass is <= 1 - top_p every such token is dropped.
+    """
+    probs = scores.softmax(-1)
+    keep = torch.zeros_like(scores, dtype=torch.bool)
+    rows = torch.arange(scores.shape[0], device=scores.device)  # rows not decided yet
+    k = min(256, scores.shape[-1])
+    while len(rows):
+        top, index = probs[rows].topk(k, dim=-1)  # [R, k] descending
+        rest = (probs[rows].sum(-1, keepdim=True) - top.sum(-1, keepdim=True)).clamp(min=0)
+        tail_mass = rest + top.flip(-1).cumsum(-1).flip(-1)  # ascending cumsum at each top token
+        decided = (rest <= 1 - top_p).squeeze(-1) | (k == scores.shape[-1])
+        kept = tail_mass > 1 - top_p
+        kept[:, 0] = True  # always keep the most likely token
+        keep[rows[decided, None], index[decided]] = kept[decided]
+        rows, k = rows[~decided], min(k * 8, scores.shape[-1])
+    return scores.masked_fill(~keep, float("-inf"))
 
 
 def sample(

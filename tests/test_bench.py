@@ -12,7 +12,7 @@ from conftest import build
 from test_eagle import random_head
 
 from treespec.bench_ar import ARBenchConfig, run_ar_bench
-from treespec.benchmark import BenchConfig, Components, category_batches, summarise
+from treespec.benchmark import BenchConfig, Components, category_batches, format_report, summarise
 from treespec.cli import main
 from treespec.heads.draft import make_draft, save_draft
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
@@ -78,6 +78,10 @@ def test_cli_runs_every_method_and_baseline_end_to_end(tmp_path):
             assert sum(method["accepted_length_histogram"].values()) == method["decode_steps"]
         assert method["identical_to_reference"] == 1.0, method["name"]  # fp32: every method, HF's too
     assert set(report["methods"][0]["per_category"]) == {"copy", "free"}
+    for method in report["methods"][3:]:  # treespec's: tau per category, weighted by steps = overall
+        taus = [v["tau"] for v in method["per_category"].values()]
+        assert min(taus) - 1e-9 <= method["mean_accepted_tokens"] <= max(taus) + 1e-9
+    assert "tau (tokens per step) per category: copy, free" in format_report(report)
     assert (tmp_path / "out.png").stat().st_size > 1000
     assert main([*argv[:-6], "--proposer", "eagle", "--batch-size", "2", "--budget", "fixed",
                  "--baselines", "hf,hf-pld", "--heads", f"eagle={tmp_path / 'eagle'}"]) == 0  # fmt: skip

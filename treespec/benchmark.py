@@ -372,6 +372,9 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
                     * sum(len(r["prompts"]) for r in members)
                     / sum(r["seconds"] for r in members)
                 }
+                lengths = [n for r in members for n in r.get("accepted_lengths", [])]
+                if lengths:  # treespec methods: tokens committed per decoding step, bonus included
+                    per_cat[category]["tau"] = statistics.fmean(lengths)
         entry["per_category"] = per_cat
         if "steps" in runs[0]:
             lengths = [n for r in runs for n in r["accepted_lengths"]]
@@ -446,6 +449,14 @@ def format_report(report: dict) -> str:
                 f"  {m['name']:<12} "
                 + " ".join(f"{m['per_category'][c]['speedup_vs_hf']:5.2f}x" for c in cats)
             )
+    taus = [m for m in report["methods"] if all("tau" in m["per_category"].get(c, {}) for c in cats)]
+    if any(m["name"] != "none" for m in taus):
+        lines.append("tau (tokens per step) per category: " + ", ".join(cats))
+        for m in taus:
+            if m["name"] != "none":
+                lines.append(
+                    f"  {m['name']:<12} " + " ".join(f"{m['per_category'][c]['tau']:5.2f} " for c in cats)
+                )
     return "\n".join(lines)
 
 

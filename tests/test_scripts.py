@@ -39,3 +39,34 @@ def test_bench_batch_decode_reports_prefill_and_decode_rates(monkeypatch, capsys
     run_script("bench_batch_decode", ["--batch", "2", "--new", "3"], monkeypatch)
     printed = capsys.readouterr().out
     assert "prefill" in printed and "decode step" in printed and "tokens/s" in printed
+
+
+def test_learning_curve_trains_nested_points_measures_them_and_skips_what_the_data_lacks(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from test_bench import tiny_model_folder, write_prompts
+
+    from treespec.heads.training.data import write_dataset
+
+    model = tiny_model_folder(tmp_path)
+    write_dataset(model, [list(range(5, 12)), [20, 21, 22], list(range(30, 45)), [7, 8]], tmp_path / "data",
+                  feature_layers=(0, 1, 1), max_new_tokens=12, batch_size=4, progress=False)  # fmt: skip
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"category": "a", "prompt": "w1 w2 w3"},
+                                                   {"category": "b", "prompt": "w9 w40 w77"}])  # fmt: skip
+    argv = ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "curve"),
+            "--points", "10,30,100000", "--epochs", "1", "--prompts", prompts, "--per-category", "1",
+            "--new-tokens", "4"]  # fmt: skip
+    run_script("learning_curve", argv, monkeypatch)
+    points = json.loads((tmp_path / "curve" / "curve.json").read_text())["points"]
+    assert [p.get("skipped", "") == "" for p in points] == [True, True, False]
+    assert "the data held 48 answer tokens" in points[2]["skipped"]
+    small, large = points[:2]
+    assert 10 <= small["answer_tokens"] < large["answer_tokens"] and small["positions"] < large["positions"]
+    for p in (small, large):
+        assert p["tau"] >= 1 and set(p["tau_per_category"]) == {"a", "b"} and p["identical_to_reference"] == 1.0
+        assert p["prompts"] == 2 and all(0 <= a <= 1 for a in p["acceptance_by_depth"])
+    assert "| 10" not in (tmp_path / "curve" / "curve.md").read_text()  # the data's own sizes, not the asked
+    assert (tmp_path / "curve" / "curve.png").stat().st_size > 1000
+    # a second run keeps the finished points (their heads are not retrained)
+    stamp = (tmp_path / "curve" / "eagle-10" / "head" / "model.safetensors").stat().st_mtime_ns
+    run_script("learning_curve", argv, monkeypatch)
+    assert (tmp_path / "curve" / "eagle-10" / "head" / "model.safetensors").stat().st_mtime_ns == stamp

@@ -1,0 +1,147 @@
+"""A head's learning curve: train it on nested subsets of one data folder, measure each with
+``treespec bench`` (T=0, batch 1, fixed budget of 31 drafted nodes) on held-out prompts.
+
+    python scripts/learning_curve.py --data runs/data --points 50000,200000,1000000 \\
+        --prompts ../shared/data/prompts/spec_bench/question_no_mtbench.jsonl --per-category 4
+
+Each point trains on whole sequences until that many answer tokens, in an order fixed by their
+tokens (``train-heads train --data-tokens``), so a point's data holds the smaller points' data,
+and a grown folder reproduces the earlier points. A point the data cannot fill yet is skipped
+and said so; run the script again once the data has grown: finished points are kept (their
+run folders hold the head and the bench JSON) and an interrupted training resumes.
+
+Writes OUT/curve.json, OUT/curve.md (the table for docs/training.md) and OUT/curve.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from treespec import models
+from treespec.benchmark import BenchConfig, run
+from treespec.heads.training.data import HeadDataset
+from treespec.heads.training.train import CHECKPOINT, TrainConfig, acceptance_by_depth, train
+
+
+def expand_histogram(histogram: dict) -> list[int]:
+    return [int(length) for length, count in histogram.items() for _ in range(count)]
+
+
+def measure(head: Path, args: argparse.Namespace, json_path: Path) -> dict:
+    config = BenchConfig(model=args.model, proposers=(args.kind_method,), baselines=(), prompts=args.prompts,
+                         per_category=args.per_category, max_new_tokens=args.new_tokens, budget="fixed",
+                         heads=((args.kind_method, str(head)),), warmup=0, json=str(json_path))  # fmt: skip
+    report = run(config, log=lambda line: None)
+    method = next(m for m in report["methods"] if m["name"] == args.kind_method)
+    lengths = expand_histogram(method["accepted_length_histogram"])
+    return {
+        "tau": method["mean_accepted_tokens"],
+        "tau_per_category": {c: v["tau"] for c, v in method["per_category"].items()},
+        "acceptance_by_depth": acceptance_by_depth(lengths),
+        "identical_to_reference": method["identical_to_reference"],
+        "prompts": sum(int(size) * count for size, count in report["batch_sizes_run"].items()),
+    }
+
+
+def table(points: list[dict]) -> str:
+    done = [p for p in points if "tau" in p]
+    if not done:
+        return "(no point measured yet)\n"
+    categories = list(done[0]["tau_per_category"])
+    lines = [
+        "| answer tokens | positions | training wall time | final loss | tau | "
+        + " | ".join(categories)
+        + " | acceptance by depth (1..5) |",
+        "|---" * (6 + len(categories)) + "|",
+    ]
+    for p in done:
+        depth = ", ".join(f"{a:.2f}" for a in p["acceptance_by_depth"][:5])
+        lines.append(
+            f"| {p['answer_tokens']:,} | {p['positions']:,} | {p['wall_s'] / 60:.1f} min | {p['loss']:.3f} | "
+            f"**{p['tau']:.2f}** | " + " | ".join(f"{p['tau_per_category'][c]:.2f}" for c in categories)
+            + f" | {depth} |"
+        )  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [p for p in points if "tau" in p]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p["answer_tokens"] for p in done], [p["tau"] for p in done], "o-", label="overall")
+    for category in done[0]["tau_per_category"] if done else []:
+        ax.plot([p["answer_tokens"] for p in done], [p["tau_per_category"][category] for p in done], ".:",
+                alpha=0.6, label=category)  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("answer tokens trained on")
+    ax.set_ylabel("tau (tokens per target step)")
+    ax.set_title("EAGLE learning curve, T=0, 31 drafted nodes")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--data", required=True, help="folder written by 'treespec train-heads features'")
+    parser.add_argument("--out", type=Path, default=Path("runs/curve"))
+    parser.add_argument("--kind", default="eagle", choices=["eagle", "eagle3", "medusa", "draft"])
+    parser.add_argument("--points", default="50000,200000,1000000", help="answer tokens per point")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--prompts", default=None, help="bench prompts (default: treespec's own)")
+    parser.add_argument("--per-category", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    args.kind_method = "eagle" if args.kind.startswith("eagle") else args.kind
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    points = sorted(int(p) for p in args.points.split(","))
+    args.out.mkdir(parents=True, exist_ok=True)
+    model, _ = models.load(args.model, dtype=torch.float32)
+    data = HeadDataset(args.data, model)
+    available = sum(len(s.tokens) - s.prompt_len for s in data)
+    results = []
+    for point in points:
+        folder = args.out / f"{args.kind}-{point}"
+        if point > available:
+            print(f"{point:,} answer tokens: skipped, the data holds {available:,} so far")
+            results.append({"answer_tokens": point, "skipped": f"the data held {available:,} answer tokens"})
+            continue
+        if not (folder / "report.json").is_file():
+            config = TrainConfig(kind=args.kind, epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps,
+                                 data_tokens=point, eval_prompts=0)  # fmt: skip
+            train(config, model, data, folder, resume=(folder / CHECKPOINT).is_file())
+        report = json.loads((folder / "report.json").read_text())
+        if not (folder / "bench.json").is_file():
+            measured = measure(folder / "head", args, folder / "bench.json")
+            (folder / "measured.json").write_text(json.dumps(measured, indent=1))
+        measured = json.loads((folder / "measured.json").read_text())
+        result = {"answer_tokens": report["answer_tokens"], "positions": report["data_tokens"],
+                  "wall_s": report["wall_s"], "loss": report["history"][-1]["mean_loss"],
+                  "steps": report["steps"], **measured}  # fmt: skip
+        print(json.dumps(result))
+        results.append(result)
+    (args.out / "curve.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                     "points": results}, indent=1))  # fmt: skip
+    (args.out / "curve.md").write_text(table(results))
+    if any("tau" in p for p in results):
+        plot(results, args.out / "curve.png")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

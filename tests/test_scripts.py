@@ -41,7 +41,9 @@ def test_bench_batch_decode_reports_prefill_and_decode_rates(monkeypatch, capsys
     assert "prefill" in printed and "decode step" in printed and "tokens/s" in printed
 
 
-def test_learning_curve_trains_nested_points_measures_them_and_skips_what_the_data_lacks(tmp_path, monkeypatch):
+def test_learning_curve_trains_nested_points_measures_them_and_skips_what_the_data_lacks(
+    tmp_path, monkeypatch
+):
     pytest.importorskip("matplotlib")
     from test_bench import tiny_model_folder, write_prompts
 
@@ -62,7 +64,9 @@ def test_learning_curve_trains_nested_points_measures_them_and_skips_what_the_da
     small, large = points[:2]
     assert 10 <= small["answer_tokens"] < large["answer_tokens"] and small["positions"] < large["positions"]
     for p in (small, large):
-        assert p["tau"] >= 1 and set(p["tau_per_category"]) == {"a", "b"} and p["identical_to_reference"] == 1.0
+        assert (
+            p["tau"] >= 1 and set(p["tau_per_category"]) == {"a", "b"} and p["identical_to_reference"] == 1.0
+        )
         assert p["prompts"] == 2 and all(0 <= a <= 1 for a in p["acceptance_by_depth"])
     assert "| 10" not in (tmp_path / "curve" / "curve.md").read_text()  # the data's own sizes, not the asked
     assert (tmp_path / "curve" / "curve.png").stat().st_size > 1000

@@ -235,11 +235,16 @@ def run_method(components: Components, method: str, prompts: list[list[int]], ge
     else:
         extra.update(do_sample=False, top_k=None, top_p=None, temperature=None)
     ids, mask = left_pad(prompts, pad)
-    start = time.perf_counter()
-    out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new,
-                         pad_token_id=pad, eos_token_id=None, **extra)  # fmt: skip
-    seconds = time.perf_counter() - start
-    return {"tokens": out[:, ids.shape[1] :].tolist(), "seconds": seconds}
+    forwards = []  # the target's forward passes: prefill, then one per decoding (or verifying) step
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        start = time.perf_counter()
+        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new,
+                             pad_token_id=pad, eos_token_id=None, **extra)  # fmt: skip
+        seconds = time.perf_counter() - start
+    finally:
+        hook.remove()
+    return {"tokens": out[:, ids.shape[1] :].tolist(), "seconds": seconds, "target_forwards": len(forwards)}
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,6 +380,8 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
                 lengths = [n for r in members for n in r.get("accepted_lengths", [])]
                 if lengths:  # treespec methods: tokens committed per decoding step, bonus included
                     per_cat[category]["tau"] = statistics.fmean(lengths)
+                elif "target_forwards" in members[0]:
+                    per_cat[category]["tau"] = _hf_tau(members, new)
         entry["per_category"] = per_cat
         if "steps" in runs[0]:
             lengths = [n for r in runs for n in r["accepted_lengths"]]
@@ -390,6 +397,8 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
             entry["decode_steps"] = len(lengths)
             # per request and decoding step: the tree size the budget settled on
             entry["mean_drafted_nodes"] = sum(r["drafted_nodes"] for r in runs) / max(len(lengths), 1)
+        elif "target_forwards" in runs[0]:  # HF: the tokens after the prefill's over the forwards after it
+            entry["mean_accepted_tokens"] = _hf_tau(runs, new)
         if config.temperature == 0:
             identical, mismatches = 0, []
             for r in runs:
@@ -418,6 +427,14 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
                     values["tokens_per_s"] / hf_rate["per_category"][category]["tokens_per_s"]
                 )
     return {"config": {k: v for k, v in asdict(config).items()}, "categories": categories, "methods": methods}
+
+
+def _hf_tau(runs: list[dict], new: int) -> float:
+    """Tokens per target forward after the prefill, for HF's ``generate``: 1.0 when decoding plainly,
+    the mean committed per verification with prompt lookup or an assistant (the last step may be
+    cut by ``max_new_tokens``)."""
+    steps = sum(r["target_forwards"] - 1 for r in runs)
+    return (new - 1) * len(runs) / steps if steps else 1.0
 
 
 def format_report(report: dict) -> str:
@@ -453,7 +470,7 @@ def format_report(report: dict) -> str:
     if any(m["name"] != "none" for m in taus):
         lines.append("tau (tokens per step) per category: " + ", ".join(cats))
         for m in taus:
-            if m["name"] != "none":
+            if m["name"] not in ("none", "hf"):  # one token per step by definition
                 lines.append(
                     f"  {m['name']:<12} " + " ".join(f"{m['per_category'][c]['tau']:5.2f} " for c in cats)
                 )

@@ -211,37 +211,47 @@ class UnrolledAttention:
     the input at position t is the head's own step-(k-1) output at t - 1, as a depth-(k+1) draft
     at inference, which attends to the context the target computed (step-0 keys at positions
     <= t - k) and to its own ancestors (the step-j key at position t - k + j, for j = 1..k). Each
-    call is the next step; keys and values of earlier steps are kept."""
+    call is the next step; keys and values of earlier steps are kept.
+
+    Sequences attend only within themselves, so each runs as one row of a padded batch
+    [sequences, longest]: the cost grows with the sum of squared lengths, not with the square of
+    the flat batch (7x less at 2,048 positions of ~300-token sequences)."""
 
     def __init__(self, lengths: list[int]) -> None:
         self.seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         self.pos = torch.cat([torch.arange(n) for n in lengths])
-        self.keys: list[torch.Tensor] = []
+        self.shape = (len(lengths), max(lengths))
+        self.keys: list[torch.Tensor] = []  # per step [B, Hkv, L, D]
         self.values: list[torch.Tensor] = []
 
     def mask(self, step: int) -> torch.Tensor:
-        same = self.seq[:, None] == self.seq[None, :]
-        parts = [same & (self.pos[None, :] <= self.pos[:, None] - step)]
+        """Which keys a position attends to at ``step``: [L, (step + 1) L], the same in every
+        sequence (a shorter one's padding lies after its last real position)."""
+        pos = torch.arange(self.shape[1])
+        parts = [pos[None, :] <= pos[:, None] - step]
         for j in range(1, step + 1):
-            parts.append(same & (self.pos[None, :] == self.pos[:, None] - step + j))
-        return torch.cat(parts, dim=1)  # [T, (step + 1) T]
+            parts.append(pos[None, :] == pos[:, None] - step + j)
+        return torch.cat(parts, dim=1)
 
     def valid(self, step: int) -> torch.Tensor:
         """Rows whose step-``step`` input exists (a position has ``step`` predecessors)."""
         return self.pos >= step
 
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H, D] flat rows -> [B, H, L, D]."""
+        out = x.new_zeros(*self.shape, *x.shape[1:])
+        out[self.seq, self.pos] = x
+        return out.transpose(1, 2)
+
     def __call__(self, q, k, v):
         step = len(self.keys)
-        self.keys.append(k)
-        self.values.append(v)
-        keys, values = torch.cat(self.keys), torch.cat(self.values)
+        self.keys.append(self._padded(k))
+        self.values.append(self._padded(v))
+        keys, values = torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)
         mask = self.mask(step)
         mask = mask | ~mask.any(1, keepdim=True)  # rows with no input at this step: any finite output
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=mask[None, None], enable_gqa=True,
-        )  # fmt: skip
-        return out[0].transpose(0, 1)
+        out = F.scaled_dot_product_attention(self._padded(q), keys, values, attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2)[self.seq, self.pos]  # [T, Hq, D]
 
 
 def eagle_loss(head: EagleHead, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
@@ -259,12 +269,13 @@ def eagle_loss(head: EagleHead, target: PreTrainedModel, batch: list[Sequence], 
     attention = UnrolledAttention(lengths)
     first = torch.tensor([0, *lengths[:-1]]).cumsum(0)  # each sequence's first row
     with torch.no_grad():
-        teacher = lm_head(next_hidden).float()
         embeds = embed(tokens).float()
         if eagle3 or head.config.draft_vocab_size is not None:  # the read-out's tokens, renormalised
-            probs = torch.softmax(teacher[:, head.target_ids()], -1)
+            ids = head.target_ids()
+            bias = None if lm_head.bias is None else lm_head.bias[ids]
+            probs = torch.softmax(F.linear(next_hidden, lm_head.weight[ids], bias).float(), -1)
         else:
-            probs = torch.softmax(teacher, -1)
+            probs = torch.softmax(lm_head(next_hidden).float(), -1)
     inputs = head.fuse(features)
     total, weights = 0.0, 0.0
     for step in range(config.ttt_steps):

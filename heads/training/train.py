@@ -503,12 +503,12 @@ def save_module(config: TrainConfig, module: nn.Module, folder: Path) -> Path:
 def proposer_for(config: TrainConfig, module: nn.Module, target: PreTrainedModel):
     """The proposer tau is measured with: a dynamic tree of at most 32 nodes, root included."""
     if config.kind in ("eagle", "eagle3"):
-        return EagleProposer(module, target, depth=5, top_k=8, total_tokens=31)
+        return EagleProposer(module, target, depth=6, top_k=8, total_tokens=31)  # as treespec bench drafts
     rows = readout_size(config, target)
     readout = range(rows) if rows < target.get_output_embeddings().weight.shape[0] else None
     if config.kind == "medusa":
         return MedusaProposer(module, target, dynamic=(8, 31), readout_ids=readout)
-    return DraftModelProposer(module, target_model=target, dynamic=(4, 5, 31), readout_ids=readout)
+    return DraftModelProposer(module, target_model=target, dynamic=(4, 6, 31), readout_ids=readout)
 
 
 @torch.inference_mode()

@@ -5,10 +5,11 @@
         --prompts ../shared/data/prompts/spec_bench/question_no_mtbench.jsonl --per-category 4
 
 Each point trains on whole sequences until that many answer tokens, in an order fixed by their
-tokens (``train-heads train --data-tokens``), so a point's data holds the smaller points' data,
-and a grown folder reproduces the earlier points. A point the data cannot fill yet is skipped
-and said so; run the script again once the data has grown: finished points are kept (their
-run folders hold the head and the bench JSON) and an interrupted training resumes.
+tokens (``train-heads train --data-tokens``), so a point's data holds the smaller points' data.
+A point the data cannot fill yet is skipped and said so; run the script again once the data has
+grown: finished points are kept (their run folders hold the head and the bench JSON; they were
+drawn from the data as it was then, the same prompt distribution) and an interrupted training
+resumes.
 
 Writes OUT/curve.json, OUT/curve.md (the table for docs/training.md) and OUT/curve.png.
 """

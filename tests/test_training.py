@@ -136,8 +136,8 @@ def test_token_subsets_nest_and_count_answer_tokens(tiny_data):
     small, large = token_subset(sequences, 20), token_subset(sequences, 40)
     size = [sum(len(s.tokens) - s.prompt_len for s in part) for part in (small, large)]
     assert 20 <= size[0] < 20 + max(answers) and 40 <= size[1] < 40 + max(answers)
-    # the order is fixed by each sequence's tokens: a grown corpus (here reversed) gives the same
-    # subset, and the smaller subset opens the larger one
+    # the order is fixed by each sequence's tokens, not by where shards hold them (here reversed),
+    # and the smaller subset opens the larger one
     assert [s.tokens.tolist() for s in token_subset(sequences[::-1], 40)] == [
         s.tokens.tolist() for s in large
     ]

@@ -290,7 +290,7 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                      "the first included (default: %(default)s, off)")  # fmt: skip
     fit.add_argument("--data-tokens", type=int, default=None,
                      help="train on whole sequences until this many answer tokens, in an order fixed by "
-                     "their tokens, so subsets nest as the data grows (default: all)")  # fmt: skip
+                     "their tokens, so smaller subsets of one data folder open larger ones (default: all)")  # fmt: skip
     fit.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: each epoch)")
     fit.add_argument(
         "--eval-prompts", type=int, default=8, help="dev prompts for the per-epoch tau (0: none)"

@@ -81,7 +81,7 @@ class TrainConfig:
     eval_prompts: int = 8
     seed: int = 0
     # train on a subset: whole sequences, in an order fixed by their tokens, until this many
-    # answer tokens (None: all). The subsets of one corpus nest as it grows (learning curves).
+    # answer tokens (None: all). Within one data folder a smaller subset opens a larger one.
     data_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -145,8 +145,8 @@ def frequent_tokens(data: Iterable[Sequence], k: int, vocab_size: int) -> torch.
 def token_subset(sequences: list[Sequence], answer_tokens: int) -> list[Sequence]:
     """Whole sequences, ordered by a hash of their tokens, until ``answer_tokens`` answer tokens.
 
-    The order depends only on each sequence, so the subset of a grown corpus holds the subset of
-    the smaller one (up to the sequence that crosses the limit): learning-curve points nest."""
+    The order depends only on each sequence, not on how shards hold them, and the subsets of one
+    data folder nest: the smaller is the opening of the larger (learning-curve points)."""
 
     def key(seq: Sequence) -> bytes:
         return hashlib.blake2b(seq.tokens.to(torch.int32).numpy().tobytes(), digest_size=8).digest()

@@ -101,6 +101,34 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tiny_data, kind):
     assert losses[-1] < 0.95 * losses[0] and losses == sorted(losses, reverse=True), losses
 
 
+def test_medusa_heads_learn_the_targets_distribution_of_the_token_they_draft(tiny_data):
+    """Head i at position t: the target's softmax at h_{t+i+1} (it predicts x_{t+i+2}), over
+    the read-out rows, for every t from the prompt's end - 2 while that position exists."""
+    from types import SimpleNamespace
+
+    model, folder = tiny_data
+    seq = HeadDataset(folder, model).sequences()[2]
+    n, p = len(seq.tokens), seq.prompt_len
+    logits = torch.randn(n - 1 - (p - 2), 2, 40, generator=torch.Generator().manual_seed(0))
+
+    class Fixed:  # stands in for MedusaHeads: fixed logits for the rows the loss hands over
+        config = SimpleNamespace(num_heads=2)
+
+        def __call__(self, rows, readout):
+            assert torch.equal(rows, seq.hidden[p - 2 : n - 1].float())
+            return logits
+
+    config = TrainConfig(kind="medusa", draft_vocab_size=40)
+    got = LOSSES["medusa"](Fixed(), model, [seq], config)
+    teacher = torch.softmax(seq.hidden.float() @ model.lm_head.weight[:40].T, -1)
+    want = 0.0
+    for i in range(2):
+        t = torch.arange(p - 2, n - 1 - i)  # head i needs position t + i + 1 <= n - 1
+        ce = -(teacher[t + i + 1] * torch.log_softmax(logits[t - (p - 2), i], -1)).sum(-1).mean()
+        want += 0.8**i * ce
+    torch.testing.assert_close(got, want / 1.8)
+
+
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_resume_continues_exactly(tiny_data, tmp_path, kind):
     model, folder = tiny_data

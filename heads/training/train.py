@@ -298,32 +298,34 @@ def eagle_loss(head: EagleHead, target: PreTrainedModel, batch: list[Sequence], 
 
 
 def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
-    """Head i at position t is trained on the target's token x_{t+i+2}, where that token is one
-    the target generated (answer positions). Only rows with a label go through the heads."""
-    rows, labels = [], []  # per kept row: its hidden state; per head: label (-100: none)
+    """Self-distillation (Medusa-2): head i at position t learns the target's distribution of
+    x_{t+i+2}, the softmax of its LM head at h_{t+i+1}, over the read-out's rows (renormalised),
+    on the positions t whose x_{t+2} the target generated. Weight 0.8^i per head."""
+    readout = FirstRows(target.get_output_embeddings(), readout_size(config, target))
     num_heads = heads.config.num_heads
+    rows, teacher_at, valid, hidden_all, offset = [], [], [], [], 0
     for tokens, hidden, _, prompt_len in _flat(batch, config.max_seq_len):
         n = len(tokens)
         first = max(prompt_len - 2, 0)  # the first t whose x_{t+2} is generated
-        if n - 2 <= first:
+        if n - 1 <= first:
             continue
-        t = torch.arange(first, n - 2)
+        t = torch.arange(first, n - 1)
         rows.append(hidden[t])
-        target_pos = t[:, None] + 2 + torch.arange(num_heads)  # [rows, K]
-        valid = (target_pos < n) & (target_pos >= prompt_len)
-        labels.append(
-            torch.where(valid, tokens[target_pos.clamp(max=n - 1)], torch.full_like(target_pos, -100))
-        )
+        at = t[:, None] + 1 + torch.arange(num_heads)  # [rows, K]: the position whose state predicts
+        valid.append(at <= n - 1)
+        teacher_at.append(offset + at.clamp(max=n - 1))
+        hidden_all.append(hidden)
+        offset += n
     if not rows:
         return sum(p.sum() for p in trainable(heads)) * 0  # no answer position in this batch
-    readout = FirstRows(target.get_output_embeddings(), readout_size(config, target))
-    logits = heads(torch.cat(rows), readout)  # [N, K, readout rows]
-    labels_t = torch.cat(labels)
-    labels_t[labels_t >= readout.rows] = -100  # never drafted through this read-out
+    with torch.no_grad():
+        teacher = torch.softmax(readout(torch.cat(hidden_all)).float(), -1)  # [positions, rows]
+    logits = heads(torch.cat(rows), readout)  # [N, K, read-out rows]
+    at, ok = torch.cat(teacher_at), torch.cat(valid)
     total, weights = logits.new_zeros(()), 0.0
     for i in range(num_heads):
-        if (labels_t[:, i] >= 0).any():
-            total = total + 0.8**i * F.cross_entropy(logits[:, i], labels_t[:, i], ignore_index=-100)
+        if ok[:, i].any():
+            total = total + 0.8**i * soft_ce(logits[ok[:, i], i], teacher[at[ok[:, i], i]])
             weights += 0.8**i
     return total / weights
 

@@ -127,7 +127,7 @@ def main() -> None:
                                  data_tokens=point, eval_prompts=0)  # fmt: skip
             train(config, model, data, folder, resume=(folder / CHECKPOINT).is_file())
         report = json.loads((folder / "report.json").read_text())
-        if not (folder / "bench.json").is_file():
+        if not (folder / "measured.json").is_file():  # written last: a kill before it measures again
             measured = measure(folder / "head", args, folder / "bench.json")
             (folder / "measured.json").write_text(json.dumps(measured, indent=1))
         measured = json.loads((folder / "measured.json").read_text())

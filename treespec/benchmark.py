@@ -466,14 +466,17 @@ def format_report(report: dict) -> str:
                 f"  {m['name']:<12} "
                 + " ".join(f"{m['per_category'][c]['speedup_vs_hf']:5.2f}x" for c in cats)
             )
-    taus = [m for m in report["methods"] if all("tau" in m["per_category"].get(c, {}) for c in cats)]
-    if any(m["name"] != "none" for m in taus):
+    taus = [  # not none and hf: one token per step by definition
+        m
+        for m in report["methods"]
+        if m["name"] not in ("none", "hf") and all("tau" in m["per_category"].get(c, {}) for c in cats)
+    ]
+    if taus:
         lines.append("tau (tokens per step) per category: " + ", ".join(cats))
         for m in taus:
-            if m["name"] not in ("none", "hf"):  # one token per step by definition
-                lines.append(
-                    f"  {m['name']:<12} " + " ".join(f"{m['per_category'][c]['tau']:5.2f} " for c in cats)
-                )
+            lines.append(
+                f"  {m['name']:<12} " + " ".join(f"{m['per_category'][c]['tau']:5.2f} " for c in cats)
+            )
     return "\n".join(lines)
 
 

@@ -193,17 +193,20 @@ class NearDuplicates:
 
     def contains(self, text: str) -> bool:
         """Whether ``text`` equals (normalised) or nearly equals a text added before."""
-        if normalise(text) in self.exact:
-            return True
-        sig = self.signature(text)
+        return normalise(text) in self.exact or self._near(self.signature(text))
+
+    def _near(self, sig: torch.Tensor) -> bool:
         candidates = {i for band in self._bands(sig) for i in self.buckets.get(band, ())}
         return any((self.signatures[i] == sig).float().mean().item() >= self.threshold for i in candidates)
 
     def add(self, text: str) -> bool:
         """Add ``text`` unless it is a duplicate or near duplicate; returns whether it was added."""
-        if self.contains(text):
+        key = normalise(text)
+        if key in self.exact:
             return False
-        key, sig = normalise(text), self.signature(text)
+        sig = self.signature(text)
+        if self._near(sig):
+            return False
         index = len(self.signatures)
         bands = self._bands(sig)
         self.exact.add(key)

@@ -12,13 +12,14 @@ its distribution p_t = softmax(lm_head(h_t)) over x_{t+1}):
 - ``eagle3``: pairs (three-layer features, x_{t+1}); loss = CE of the head's draft-vocabulary
   read-out against p_{t+1} restricted to the draft vocabulary (the ``draft_vocab_size`` tokens the
   target produces most often in the data) and renormalised.
-- ``medusa``: head i reads h_t and is trained with CE against the target's own token
-  x_{t+i+2} (offsets 2, 3, ...), on answer positions only, weighted 0.8^i.
+- ``medusa``: head i reads h_t and is trained with CE against p_{t+i+1}, the target's
+  distribution of x_{t+i+2} (offsets 2, 3, ...; Medusa-2's self-distillation), on the positions
+  whose x_{t+2} is generated, weighted 0.8^i.
 - ``draft``: the target's first layers (heads/draft.py) trained with CE against p_t at every
   position (distillation on the target's distribution).
 - Medusa and draft read out through the first ``draft_vocab_size`` rows of the LM head (the
-  frequent ids of a BPE vocabulary), as ``treespec bench`` drafts with them: labels outside are
-  ignored, the teacher's distribution is renormalised over them.
+  frequent ids of a BPE vocabulary), as ``treespec bench`` drafts with them: the teacher's
+  distribution is renormalised over them.
 
 AdamW, linear warm-up then cosine decay to 10 %, gradient clipping, a checkpoint after every
 epoch (and every ``checkpoint_every`` steps) that ``resume`` continues from exactly (model,
@@ -313,9 +314,9 @@ def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequenc
         rows.append(hidden[t])
         at = t[:, None] + 1 + torch.arange(num_heads)  # [rows, K]: the position whose state predicts
         valid.append(at <= n - 1)
-        teacher_at.append(offset + at.clamp(max=n - 1))
-        hidden_all.append(hidden)
-        offset += n
+        teacher_at.append(offset + at.clamp(max=n - 1) - (first + 1))  # the teacher reads from first + 1 on
+        hidden_all.append(hidden[first + 1 :])
+        offset += n - first - 1
     if not rows:
         return sum(p.sum() for p in trainable(heads)) * 0  # no answer position in this batch
     with torch.no_grad():

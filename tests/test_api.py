@@ -164,7 +164,32 @@ def test_bad_inputs(oracles):
         treespec.generate(target, [[1, 2]], max_new_tokens=4, temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(temperature=1.0, top_p=1.5)
-    with pytest.raises(TypeError, match="list of token lists"):
-        treespec.generate(target, "hello", max_new_tokens=4)
+    for text in ("hello", ["hello", "world"]):  # text: the message says how to tokenize it
+        with pytest.raises(TypeError, match=r"got text: tokenize first.*encode_prompts\(tokenizer"):
+            treespec.generate(target, text, max_new_tokens=4)
+    with pytest.raises(TypeError, match=r"must be ints, got \['str'\]: tokenize first"):
+        engine.add_request(["hello"], max_new_tokens=4)
+    with pytest.raises(TypeError, match=r"must be ints, got \['float'\]$"):
+        engine.add_request([1.0], max_new_tokens=4)
     with pytest.raises(TypeError, match="proposer"):
         treespec.generate(target, [[1, 2]], max_new_tokens=4, proposer=object())
+
+
+def test_a_shadowing_checkout_hands_the_import_on(tmp_path):
+    """Python started in the folder that holds the clone (named treespec) finds the clone before
+    the installed package; the clone's root __init__.py hands the import on, or says what to do."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    clone = tmp_path / "treespec"
+    clone.mkdir()
+    (clone / "__init__.py").write_text((Path(__file__).parents[1] / "__init__.py").read_text())
+    code = "import treespec; print(treespec.generate.__module__, treespec.__file__)"
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    module, path = run.stdout.split()
+    assert module == "treespec.api" and Path(path).resolve() == Path(treespec.__file__).resolve()
+    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 1  # -S: no site-packages, so no installed treespec
+    assert f"found the source checkout {clone}" in run.stderr and "pip install -e" in run.stderr

@@ -5,11 +5,15 @@ scripts/bench_ar.py (treespec.bench_ar) on one small case."""
 from __future__ import annotations
 
 import json
+import logging
+import re
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import build
 from test_eagle import random_head
+from transformers.utils import logging as hf_logging
 
 from treespec.bench_ar import ARBenchConfig, run_ar_bench
 from treespec.benchmark import BenchConfig, Components, category_batches, format_report, summarise
@@ -47,7 +51,7 @@ def write_prompts(path, rows):
     return str(path)
 
 
-def test_cli_runs_every_method_and_baseline_end_to_end(tmp_path):
+def test_cli_runs_every_method_and_baseline_end_to_end(tmp_path, capfd):
     tiny_model_folder(tmp_path)
     prompts = write_prompts(tmp_path / "p.jsonl", [
         {"category": "copy", "turns": ["w1 w2 w3 w1 w2 w3 w1 w2"]},
@@ -59,7 +63,25 @@ def test_cli_runs_every_method_and_baseline_end_to_end(tmp_path):
             "--heads", f"eagle={tmp_path / 'eagle'}", "--heads", f"medusa={tmp_path / 'medusa'}",
             "--heads", f"draft={tmp_path / 'draft'}"]  # fmt: skip
     pytest.importorskip("matplotlib")
-    assert main([*argv, "--plot", str(tmp_path / "out.png")]) == 0
+    notices = []  # what transformers logs while treespec's baselines call into HF
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = notices.append
+    hf_logging.warning_once.cache_clear()  # a notice logged once before this test would hide
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        assert main([*argv, "--plot", str(tmp_path / "elsewhere.png")]) == 0
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert [n.getMessage() for n in notices] == []
+    printed = capfd.readouterr()
+    assert "legend: tok/s new tokens per second" in printed.out
+    assert (
+        "summary: fastest " in printed.out
+        and "every method kept the target's output on all 3 prompts" in printed.out
+    )
+    assert printed.out.startswith("treespec bench: importing torch")
+    assert "loading heads: draft" in printed.out and "calibrating the tree budget" in printed.err
+    assert not (tmp_path / "out.png").exists()  # --plot PATH writes there
     report = json.loads((tmp_path / "out.json").read_text())
     names = [m["name"] for m in report["methods"]]
     assert names == ["hf", "hf-pld", "hf-assisted", "none", "ngram", "draft", "medusa", "eagle", "hybrid"]
@@ -85,17 +107,20 @@ def test_cli_runs_every_method_and_baseline_end_to_end(tmp_path):
         taus = [v["tau"] for v in method["per_category"].values()]
         assert min(taus) - 1e-9 <= method["mean_accepted_tokens"] <= max(taus) + 1e-9
     assert "tau (tokens per step) per category: copy, free" in format_report(report)
-    assert (tmp_path / "out.png").stat().st_size > 1000
+    assert (tmp_path / "elsewhere.png").stat().st_size > 1000
     assert main([*argv[:-6], "--proposer", "eagle", "--batch-size", "2", "--budget", "fixed",
                  "--baselines", "hf,hf-pld", "--heads", f"eagle={tmp_path / 'eagle'}"]) == 0  # fmt: skip
+    assert (tmp_path / "out.png").stat().st_size > 1000  # by default, the plot lies beside the JSON
+    (tmp_path / "out.png").unlink()
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["skipped_baselines"] == {"hf-pld": "HF supports it at batch size 1 only"}
     assert report["batch_sizes_run"] == {"1": 1, "2": 1}  # two "copy" prompts together, "free" alone
     assert set(report["methods"][0]["per_category"]) == {"copy", "free"}
     fixed_31 = report["methods"][-1]
     assert fixed_31["name"] == "eagle" and fixed_31["mean_drafted_nodes"] > 4  # random heads: trees of ~31
-    assert main([*argv[:-6], "--proposer", "eagle", "--budget", "4", "--baselines", "hf",
+    assert main([*argv[:-6], "--proposer", "eagle", "--budget", "4", "--baselines", "hf", "--no-plot",
                  "--heads", f"eagle={tmp_path / 'eagle'}"]) == 0  # fmt: skip
+    assert not (tmp_path / "out.png").exists()
     eagle = json.loads((tmp_path / "out.json").read_text())["methods"][-1]
     assert 0 < eagle["mean_drafted_nodes"] <= 4 and eagle["identical_to_reference"] == 1.0
 
@@ -132,7 +157,25 @@ def test_identity_check_flags_an_injected_divergence(tmp_path):
     (mismatch,) = ngram["mismatches"]
     assert mismatch["prompt"] == 1 and mismatch["position"] == 1 and mismatch["got"] == 99
     top = logits.topk(2).values
-    assert mismatch["top2_logit_gap"] == pytest.approx(float(top[0] - top[1]), abs=1e-5)
+    gap = float(top[0] - top[1])
+    assert gap > 1e-3 and mismatch["top2_logit_gap"] == pytest.approx(gap, abs=1e-5)
+    # fp32's near-tie bound is 1e-4: this gap is a real divergence, named in the summary
+    assert ngram["identity"] == {"exact": 1, "near_tie": 0, "diverged": 1} and not mismatch["near_tie"]
+    assert report["methods"][0]["identity"] == {"exact": 2, "near_tie": 0, "diverged": 0}
+    text = format_report(report)
+    assert "prompt 1: first differs" not in text  # the details only with verbose
+    assert "REAL DIVERGENCE (gap > 0.0001) in ngram (1)" in text.splitlines()[-1]
+    assert "kept the target's output on 3 of 4 method-prompt runs" in text.splitlines()[-1]
+    assert "prompt 1: first differs at token 1 (99 vs 8)" in format_report(report, verbose=True)
+    # a bound above the gap: the same divergence is a near-tie
+    wide = summarise(
+        replace(config, tie_gap=2 * gap), components, pairs, encoded, results, ["hf", "none", "ngram"]
+    )
+    assert wide["methods"][2]["identity"] == {"exact": 1, "near_tie": 1, "diverged": 0}
+    last = format_report(wide).splitlines()[-1]
+    assert "1 first differ at a near-tie" in last and "REAL DIVERGENCE" not in last
+    assert "near-tie" in format_report(wide, verbose=True)
+    assert BenchConfig(dtype="bf16").near_tie_gap == 0.5 and BenchConfig(tie_gap=0.2).near_tie_gap == 0.2
 
 
 def test_bad_input(tmp_path, capsys):
@@ -151,8 +194,10 @@ def test_bad_input(tmp_path, capsys):
         BenchConfig(budget="64")
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         BenchConfig(linear_backend="fast")
-    with pytest.raises(ValueError, match="draft_vocab must be >= 0"):
+    with pytest.raises(ValueError, match="draft_vocab must be >= 0, got -1"):
         BenchConfig(draft_vocab=-1)
+    with pytest.raises(ValueError, match="tie_gap must be >= 0, got -0.5"):
+        BenchConfig(tie_gap=-0.5)
     assert main(["bench", "--proposer", "magic"]) == 2
     assert "unknown method" in capsys.readouterr().err
     tiny_model_folder(tmp_path)
@@ -177,3 +222,15 @@ def test_ar_bench_runs_and_matches_hf_in_fp32(tmp_path):
     assert json.loads((tmp_path / "ar.json").read_text())["config"]["batch_sizes"] == [2]
     with pytest.raises(ValueError, match="dtypes must be among"):
         ARBenchConfig(dtypes=("int8",))
+
+
+def test_bench_help_shows_every_default(capsys):
+    assert main(["bench", "--help"]) == 0
+    options = capsys.readouterr().out.split("\noptions:\n")[1]
+    entries = [" ".join(e.split()) for e in re.split(r"\n(?=  -)", options)]  # one per option, unwrapped
+    takes_value = [e for e in entries if re.match(r"-[-\w]+ [A-Z{]", e)]  # flags (--verbose) have none
+    assert len(takes_value) >= 20
+    for entry in takes_value:
+        assert "(default: " in entry, entry
+    assert any("(default: bench_results/bench.json)" in e for e in entries)
+    assert any(e.startswith("--proposer") and e.endswith("(default: all)") for e in entries)

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treespec.auto import auto_proposer
-from treespec.engine import Engine, EngineStats
+from treespec.engine import TOKENIZE_HINT, Engine, EngineStats
 from treespec.proposers.base import Proposer
 from treespec.sampling import SamplingParams
 from treespec.target import Target
@@ -87,10 +87,10 @@ def as_prompts(input_ids, attention_mask: torch.Tensor | None = None) -> list[li
         ]
     if attention_mask is not None:
         raise ValueError("attention_mask is only meaningful with a 2-D input_ids tensor")
-    if isinstance(input_ids, (str, bytes)):
-        raise TypeError(
-            "input_ids must be a list of token lists or a 2-D tensor, got text: tokenize it first"
-        )
+    if isinstance(input_ids, (str, bytes)) or (
+        isinstance(input_ids, Sequence) and any(isinstance(p, (str, bytes)) for p in input_ids)
+    ):
+        raise TypeError(f"prompts must be token ids, got text: {TOKENIZE_HINT}")
     if isinstance(input_ids, Sequence) and input_ids and all(isinstance(t, int) for t in input_ids):
         return [list(input_ids)]  # one prompt given as a flat list
     if not isinstance(input_ids, Sequence) or not all(

@@ -11,19 +11,24 @@ for the model; their tree size is chosen every step by the adaptive budget
 For each prompt (or batch of prompts) every method runs once, in a fixed interleaved order, so
 drift on a shared machine hits all alike. Reported per method: tokens/s (all new tokens over all
 seconds), speedup over HF ``generate``, tau (tokens per target step, bonus included), the
-accepted-length histogram, per-stage milliseconds per step, and at T=0 the fraction of prompts
-whose output equals the autoregressive reference; a mismatch is printed with its first diverging
-position and the target's top-2 logit gap there (a near-tie is rounding, a wide gap a bug).
+accepted-length histogram, per-stage milliseconds per step, and at T=0 how many prompts' outputs
+equal the autoregressive reference. A prompt whose output differs is classed by the target's top-2
+logit gap where it first differs: a near-tie (the gap within ``near_tie_gap``, a few rounding steps
+of the dtype: two ways of summing the same numbers pick different tokens) or a real divergence
+(a wide gap: for a treespec method, a bug). The per-prompt details are in the JSON, and printed
+with ``verbose``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import statistics
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -48,6 +53,10 @@ from treespec.target import Target
 METHODS = ("none", "ngram", "draft", "medusa", "eagle", "hybrid")
 BASELINES = ("hf", "hf-pld", "hf-assisted")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The widest top-2 logit gap still called a near-tie: 4 rounding steps of a logit between 16 and 32
+# in bf16 and fp16 (the final logits are rounded there); in fp32, the ~1e-5 that summing a forward
+# in another order moves logits, with room.
+NEAR_TIE_GAP = {"bf16": 4 * 2.0**-3, "fp16": 4 * 2.0**-6, "fp32": 1e-4}
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,8 @@ class BenchConfig:
     heads: tuple[tuple[str, str], ...] = ()  # (kind, folder or registered name): overrides the shipped heads
     json: str | None = None
     plot: str | None = None
+    verbose: bool = False  # print every differing prompt under the table (the JSON always has them)
+    tie_gap: float | None = None  # near-tie bound on the top-2 logit gap; None: NEAR_TIE_GAP[dtype]
     methods: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -95,12 +106,17 @@ class BenchConfig:
         for name in ("max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature < 0 or self.warmup < 0 or self.draft_vocab < 0:
-            raise ValueError("temperature, warmup and draft_vocab must be >= 0")
+        for name in ("temperature", "warmup", "draft_vocab", "tie_gap"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: CUDA is not available on this machine")
+
+    @property
+    def near_tie_gap(self) -> float:
+        return NEAR_TIE_GAP[self.dtype] if self.tie_gap is None else self.tie_gap
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,7 +153,8 @@ class Components:
     def budget_chooser(self):
         if self.cost_model is None:
             self.cost_model = CostModel.measure(self.target, batch_size=self.config.batch_size,
-                                                sizes=(1, 2, 4, 8, 16, 32, 64), repeats=3)  # fmt: skip
+                                                sizes=(1, 2, 4, 8, 16, 32, 64), repeats=3,
+                                                progress="calibrating the tree budget")  # fmt: skip
         return BudgetChooser(self.cost_model)
 
     def proposer(self, method: str):
@@ -238,13 +255,28 @@ def run_method(components: Components, method: str, prompts: list[list[int]], ge
     forwards = []  # the target's forward passes: prefill, then one per decoding (or verifying) step
     hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
     try:
-        start = time.perf_counter()
-        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new,
-                             pad_token_id=pad, eos_token_id=None, **extra)  # fmt: skip
-        seconds = time.perf_counter() - start
+        with _hf_notices_off():
+            start = time.perf_counter()
+            out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new,
+                                 pad_token_id=pad, eos_token_id=None, **extra)  # fmt: skip
+            seconds = time.perf_counter() - start
     finally:
         hook.remove()
     return {"tokens": out[:, ids.shape[1] :].tolist(), "seconds": seconds, "target_forwards": len(forwards)}
+
+
+@contextmanager
+def _hf_notices_off():
+    """HF assisted generation calls the assistant's ``generate`` with a ``generation_config`` and
+    loose arguments together, and transformers logs a deprecation notice for it: a call inside
+    HF, not one the user made, so the baseline runs with that logger quiet."""
+    logger = logging.getLogger("transformers.generation.utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,10 +324,15 @@ def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
         pairs = pairs[: config.num_prompts]
     if not pairs:
         raise ValueError("no prompts to run")
+    log(f"loading {config.model} ({config.dtype}, {config.device})")
     components = Components(config)
     needs_batch_one = [b for b in config.baselines if b in ("hf-pld", "hf-assisted")]
     baselines = [b for b in config.baselines if not (config.batch_size > 1 and b in needs_batch_one)]
     skipped = {b: "HF supports it at batch size 1 only" for b in config.baselines if b not in baselines}
+    kinds = sorted({"draft"} & set(baselines) | {k for m in config.methods for k in _HEADS_OF[m]})
+    if kinds:
+        given = dict(config.heads)
+        log("loading heads: " + ", ".join(f"{k} ({given.get(k, 'shipped')})" for k in kinds))
     if "hf-assisted" in baselines:
         components.head("draft", for_what="hf-assisted")  # fail early, naming what is missing
     for method in config.methods:
@@ -303,10 +340,13 @@ def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
     order = [*baselines, *config.methods]
     encoded = encode_prompts(components.tokenizer, [text for _, text in pairs])
     batches = category_batches([c for c, _ in pairs], config.batch_size)
-    for _ in range(config.warmup):
+    for _ in tqdm(
+        range(config.warmup), desc="warming up every method", unit="round", disable=not config.warmup
+    ):
         for method in order:
             run_method(components, method, [encoded[0][:64]], config.seed)
     results: dict[str, list[dict]] = defaultdict(list)
+    log(f"{len(pairs)} prompts, {config.max_new_tokens} new tokens each, {len(order)} methods")
     bar = tqdm(total=len(batches) * len(order), desc="bench", unit="run")
     for b, members in enumerate(batches):
         prompts = [encoded[i] for i in members]
@@ -330,7 +370,7 @@ def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
             n: 1e3 * s
             for n, s in zip(components.cost_model.sizes, components.cost_model.seconds, strict=True)
         }
-    log(format_report(report))
+    log(format_report(report, verbose=config.verbose))
     if config.json:
         Path(config.json).parent.mkdir(parents=True, exist_ok=True)
         Path(config.json).write_text(json.dumps(report, indent=2))
@@ -339,6 +379,10 @@ def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
         plot(report, config.plot)
         log(f"wrote {config.plot}")
     return report
+
+
+_HEADS_OF = {"none": (), "ngram": (), "draft": ("draft",), "medusa": ("medusa",), "eagle": ("eagle",),
+             "hybrid": ("eagle",)}  # fmt: skip
 
 
 def category_batches(categories: list[str], batch_size: int) -> list[list[int]]:
@@ -406,13 +450,12 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
                     if toks == reference[i]:
                         identical += 1
                     else:
-                        mismatches.append(
-                            {
-                                "prompt": i,
-                                **first_divergence(components, encoded[i], toks, reference[i], gaps),
-                            }
-                        )
+                        where = first_divergence(components, encoded[i], toks, reference[i], gaps)
+                        near_tie = where["top2_logit_gap"] <= config.near_tie_gap
+                        mismatches.append({"prompt": i, **where, "near_tie": near_tie})
+            ties = sum(m["near_tie"] for m in mismatches)
             entry["identical_to_reference"] = identical / len(pairs)
+            entry["identity"] = {"exact": identical, "near_tie": ties, "diverged": len(mismatches) - ties}
             entry["mismatches"] = mismatches
         else:
             entry["identical_to_reference"] = None  # sampling: the same distribution, not the same tokens
@@ -426,7 +469,8 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
                 values["speedup_vs_hf"] = (
                     values["tokens_per_s"] / hf_rate["per_category"][category]["tokens_per_s"]
                 )
-    return {"config": {k: v for k, v in asdict(config).items()}, "categories": categories, "methods": methods}
+    return {"config": {k: v for k, v in asdict(config).items()}, "categories": categories, "methods": methods,
+            "prompts": len(pairs), "near_tie_gap": config.near_tie_gap}  # fmt: skip
 
 
 def _hf_tau(runs: list[dict], new: int) -> float:
@@ -437,27 +481,34 @@ def _hf_tau(runs: list[dict], new: int) -> float:
     return (new - 1) * len(runs) / steps if steps else 1.0
 
 
-def format_report(report: dict) -> str:
-    lines = [f"{'method':<12} {'tok/s':>7} {'vs hf':>6} {'tau':>5} {'nodes':>5} {'same':>5}  stage ms/step "
-             "(propose score verify commit other)  accepted lengths"]  # fmt: skip
+def format_report(report: dict, verbose: bool = False) -> str:
+    """The table, its legend, speedups and tau per category, and a closing summary; with
+    ``verbose``, where each differing prompt first differs."""
+    prompts, gap = report.get("prompts"), report.get("near_tie_gap")
+    lines = [f"{'method':<12} {'tok/s':>7} {'vs hf':>6} {'tau':>5} {'nodes':>5} {'same':>4} {'tie':>3} {'diff':>4}"
+             "  stage ms/step (propose score verify commit other)  accepted lengths"]  # fmt: skip
     if "target" in report:
         t = report["target"]
         lines.insert(0, f"treespec target: attention {t['attention_backend']}, linear {t['linear_backend']}, "
                         f"batch-invariant {'yes' if t['batch_invariant'] else 'no'}")  # fmt: skip
     for m in report["methods"]:
-        same = "-" if m.get("identical_to_reference") is None else f"{m['identical_to_reference']:.2f}"
+        identity = m.get("identity")
+        same, tie, diff = (
+            (identity["exact"], identity["near_tie"], identity["diverged"]) if identity else "---"
+        )
         tau = f"{m['mean_accepted_tokens']:.2f}" if "mean_accepted_tokens" in m else "-"
         nodes = f"{m['mean_drafted_nodes']:.1f}" if "mean_drafted_nodes" in m else "-"
         speed = f"{m['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in m else "-"
         stages = " ".join(f"{v:6.1f}" for v in m["stage_ms"].values()) if "stage_ms" in m else ""
         hist = " ".join(f"{k}:{v}" for k, v in m.get("accepted_length_histogram", {}).items())
-        lines.append(
-            f"{m['name']:<12} {m['tokens_per_s']:7.1f} {speed:>6} {tau:>5} {nodes:>5} {same:>5}  {stages}  {hist}"
-        )
-        for mismatch in m.get("mismatches", []):
+        lines.append(f"{m['name']:<12} {m['tokens_per_s']:7.1f} {speed:>6} {tau:>5} {nodes:>5} {same:>4} {tie:>3} "
+                     f"{diff:>4}  {stages}  {hist}")  # fmt: skip
+        for mismatch in m.get("mismatches", []) if verbose else []:
+            kind = "near-tie" if mismatch.get("near_tie") else "REAL DIVERGENCE"
             lines.append(f"    prompt {mismatch['prompt']}: first differs at token {mismatch['position']} "
                          f"({mismatch['got']} vs {mismatch['reference']}); target's top-2 logit gap there "
-                         f"{mismatch['top2_logit_gap']:.4f}")  # fmt: skip
+                         f"{mismatch['top2_logit_gap']:.4f}: {kind}")  # fmt: skip
+    lines.append(legend(report))
     cats = report["categories"]
     lines.append("speedup vs hf per category: " + ", ".join(cats))
     for m in report["methods"]:
@@ -477,7 +528,53 @@ def format_report(report: dict) -> str:
             lines.append(
                 f"  {m['name']:<12} " + " ".join(f"{m['per_category'][c]['tau']:5.2f} " for c in cats)
             )
+    if prompts is not None and gap is not None:
+        lines.append(summary_line(report))
     return "\n".join(lines)
+
+
+def legend(report: dict) -> str:
+    """One line: what each column means."""
+    prompts, gap = report.get("prompts", "all"), report.get("near_tie_gap")
+    sampled = report["config"].get("temperature", 0) > 0
+    identity = (
+        "same/tie/diff: not checked when sampling (the same distribution, not the same tokens)"
+        if sampled
+        else f"same/tie/diff: of {prompts} prompts, output equal to `none` (plain decoding) / first differing "
+        f"where the target's top-2 logits are within {gap:g} (a {report['config'].get('dtype', '')} rounding "
+        "near-tie) / differing beyond that (a bug in a treespec method)"
+    )
+    return (
+        "legend: tok/s new tokens per second; vs hf speed over HF generate; tau tokens committed per target "
+        f"forward (bonus included); nodes drafted tree nodes per step; {identity}; stage ms per step; "
+        "accepted lengths tokens:steps"
+    )
+
+
+def summary_line(report: dict) -> str:
+    """The fastest method, and whether every method kept the target's output."""
+    methods = report["methods"]
+    fastest = max(methods, key=lambda m: m["tokens_per_s"])
+    speed = f", {fastest['speedup_vs_hf']:.2f}x HF generate" if "speedup_vs_hf" in fastest else ""
+    text = f"summary: fastest {fastest['name']} ({fastest['tokens_per_s']:.1f} tok/s{speed})"
+    checked = [m for m in methods if m.get("identity") and m["name"] != "none"]
+    if not checked:
+        return text + "; output identity not checked (sampling)" if methods else text
+    prompts, gap = report["prompts"], report["near_tie_gap"]
+    runs = prompts * len(checked)
+    exact = sum(m["identity"]["exact"] for m in checked)
+    ties = sum(m["identity"]["near_tie"] for m in checked)
+    diverged = [m for m in checked if m["identity"]["diverged"]]
+    if exact == runs:
+        text += f"; every method kept the target's output on all {prompts} prompts"
+    else:
+        text += f"; methods kept the target's output on {exact} of {runs} method-prompt runs"
+        if ties:
+            text += f", {ties} first differ at a near-tie (top-2 gap <= {gap:g})"
+    if diverged:
+        named = ", ".join(f"{m['name']} ({m['identity']['diverged']})" for m in diverged)
+        text += f"; REAL DIVERGENCE (gap > {gap:g}) in {named}: see the JSON's mismatches"
+    return text
 
 
 def plot(report: dict, path: str) -> None:

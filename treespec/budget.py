@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult
 from treespec.target import Target
@@ -98,9 +99,11 @@ class CostModel:
         context: int = 256,
         sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
         repeats: int = 5,
+        progress: str | None = None,
     ) -> CostModel:
         """Time the target scoring ``n`` new tokens per step (spread over ``batch_size`` requests
-        of ``context`` cached tokens each) for each n in ``sizes``: medians of ``repeats``."""
+        of ``context`` cached tokens each) for each n in ``sizes``: medians of ``repeats``.
+        ``progress``: a progress bar with this label, one tick per size."""
         cache = target.new_cache(batch_size, context + max(sizes) + 1)
         slots = torch.tensor([cache.allocate() for _ in range(batch_size)])
         vocab = target.vocab_size
@@ -110,7 +113,7 @@ class CostModel:
         for s in slots.tolist():
             cache.lengths[s] = context
         times = []
-        for n in sizes:
+        for n in tqdm(sizes, desc=progress, unit="size", disable=progress is None):
             per = [n // batch_size + (b < n % batch_size) for b in range(batch_size)]
             per = [max(p, 1) for p in per]
             cu = torch.tensor([0, *per]).cumsum(0)

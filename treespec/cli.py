@@ -8,12 +8,14 @@ Each top-level command is added by one ``_add_<command>_parser(subparsers)`` fun
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from treespec import models
-from treespec.prompts import encode_prompts
+from treespec.prompts import BENCH_PROMPTS, encode_prompts
 
 # treespec.linear.LINEAR_BACKENDS, spelled out so that --help needs no torch (a test keeps them equal)
 LINEAR_BACKEND_CHOICES = ("auto", "native", "fp32-kmajor", "bf16-kernel")
@@ -112,45 +114,70 @@ def _csv(kind: type) -> Callable[[str], tuple]:
     return parse
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it (options whose
+    default is None say in words what happens without them)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+            return text
+        default = (
+            ",".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else "%(default)s"
+        )
+        return f"{text} (default: {default})"
+
+
 def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
         help="benchmark treespec's methods against HF generate, prompt lookup and assisted generation",
         description="Every method and baseline runs on the same prompts in one process, interleaved per "
-        "prompt; prints a table per method and writes JSON (docs/benchmark.md).",
+        "prompt; prints a table per method and writes JSON and a PNG (docs/benchmark.md).",
+        formatter_class=_DefaultsFormatter,
     )
     bench.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
-    bench.add_argument("--proposer", type=_csv(str), default=("all",),
-                       help="comma list of none, ngram, draft, medusa, eagle, hybrid, all (default all)")  # fmt: skip
-    bench.add_argument("--baselines", type=_csv(str), default=("hf", "hf-pld", "hf-assisted"),
+    bench.add_argument("--proposer", type=_csv(str), default="all",
+                       help="comma list of none, ngram, draft, medusa, eagle, hybrid, all")  # fmt: skip
+    bench.add_argument("--baselines", type=_csv(str), default="hf,hf-pld,hf-assisted",
                        help="comma list of hf (HF generate), hf-pld (prompt lookup), hf-assisted (shipped draft)")  # fmt: skip
     bench.add_argument("--prompts", default=None,
-                       help="JSON lines (the prompt is turns[0], question or prompt; category groups them) or one prompt per line")  # fmt: skip
-    bench.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
-    bench.add_argument(
-        "--per-category", type=int, default=None, help="use the first N prompts of each category"
-    )
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--batch-size", type=int, default=1)
-    bench.add_argument("--seed", type=int, default=0)
+                       help="JSON lines (the prompt is turns[0], question or prompt; category groups them) or one "
+                       f"prompt per line (default: treespec's own {len(BENCH_PROMPTS)} prompts in "
+                       f"{len({c for c, _ in BENCH_PROMPTS})} categories)")  # fmt: skip
+    bench.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
+    bench.add_argument("--per-category", type=int, default=None,
+                       help="use the first N prompts of each category (default: all)")  # fmt: skip
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="the target's dtype")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    bench.add_argument("--batch-size", type=int, default=1, help="prompts decoding together")
+    bench.add_argument("--seed", type=int, default=0, help="sampling seed")
     bench.add_argument("--warmup", type=int, default=1, help="warm-up runs of every method (short)")
     bench.add_argument("--draft-vocab", type=int, default=8192, metavar="N",
                        help="EAGLE-1 heads, Medusa heads and draft models without a draft vocabulary of their own read out through "
-                            "the first N token ids, roughly the most frequent in a BPE vocabulary (0: all; "
-                            "default: %(default)s)")  # fmt: skip
+                            "the first N token ids, roughly the most frequent in a BPE vocabulary (0: all)")  # fmt: skip
     bench.add_argument("--budget", default="adaptive", metavar="adaptive|fixed|N",
                        help="tree size per step: chosen from measured costs and acceptance (adaptive), the "
                        "proposers' own 31 nodes (fixed), or N drafted nodes every step (1 to 31)")  # fmt: skip
     bench.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKEND_CHOICES,
                        help="treespec's linear layers: auto = bf16-kernel for a bf16 model on a CPU with AVX2, "
-                            "else fp32-kmajor on a CPU, native elsewhere (default: %(default)s)")  # fmt: skip
+                            "else fp32-kmajor on a CPU, native elsewhere")  # fmt: skip
     bench.add_argument("--json", default="bench_results/bench.json", help="report path")
-    bench.add_argument("--plot", default=None, help="PNG: speedup per category, accepted-length histograms")
+    bench.add_argument("--plot", default=None, metavar="PNG",
+                       help="speedup per category and accepted-length histograms (default: the JSON's path with "
+                       ".png; needs matplotlib)")  # fmt: skip
+    bench.add_argument("--no-plot", action="store_true", help="write no PNG")
+    bench.add_argument("--verbose", action="store_true",
+                       help="print where each differing prompt first differs (the JSON always has it)")  # fmt: skip
+    bench.add_argument("--tie-gap", type=float, default=None, metavar="GAP",
+                       help="a prompt whose output first differs where the target's top-2 logits are within GAP "
+                       "is a rounding near-tie, beyond it a real divergence (default: 0.5 in bf16, 0.0625 in "
+                       "fp16, 1e-4 in fp32)")  # fmt: skip
     bench.add_argument("--heads", action="append", default=[], metavar="KIND=PATH",
-                       help="use this head folder for eagle, medusa or draft instead of the shipped one")  # fmt: skip
-    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+                       help="use this head folder for eagle, medusa or draft instead of the shipped one; "
+                       "repeatable (default: the heads shipped for the model)")  # fmt: skip
+    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.set_defaults(handler=_bench)
 
@@ -163,17 +190,30 @@ def _kind_path(text: str) -> tuple[str, str]:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    print(
+        "treespec bench: importing torch and transformers", flush=True
+    )  # a few seconds of silence otherwise
     import torch
 
     from treespec.benchmark import BenchConfig, run
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    plot = None if args.no_plot else args.plot
+    if plot is None and not args.no_plot and args.json:
+        if importlib.util.find_spec("matplotlib") is None:
+            print(
+                "treespec: no plot: matplotlib is not installed (pip install 'treespec[plot]')",
+                file=sys.stderr,
+            )
+        else:
+            plot = str(Path(args.json).with_suffix(".png"))
     config = BenchConfig(
         model=args.model, proposers=tuple(args.proposer), baselines=tuple(args.baselines), prompts=args.prompts,
         num_prompts=args.num_prompts, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         dtype=args.dtype, temperature=args.temperature, batch_size=args.batch_size, seed=args.seed,
-        warmup=args.warmup, budget=args.budget, linear_backend=args.linear_backend, draft_vocab=args.draft_vocab, json=args.json, plot=args.plot, device=args.device,
+        warmup=args.warmup, budget=args.budget, linear_backend=args.linear_backend, draft_vocab=args.draft_vocab, json=args.json, plot=plot, device=args.device, verbose=args.verbose,
+        tie_gap=args.tie_gap,
         heads=tuple(_kind_path(h) for h in args.heads),
     )  # fmt: skip
     run(config)

@@ -24,6 +24,11 @@ from treespec.target import Target
 from treespec.tree import TokenTree, chain_mask
 from treespec.verify import MEDUSA_TYPICAL, verify
 
+TOKENIZE_HINT = (
+    "tokenize first, with the chat template for a chat model: "
+    "treespec.prompts.encode_prompts(tokenizer, [text, ...]), or plain: tokenizer([text, ...])['input_ids']"
+)
+
 DEFAULT_MAX_LEN = 2048
 
 
@@ -176,7 +181,9 @@ class Engine:
         if not prompt:
             raise ValueError("empty prompt: a request needs at least one token")
         if not all(isinstance(t, int) for t in prompt):
-            raise TypeError(f"prompt tokens must be ints, got {sorted({type(t).__name__ for t in prompt})}")
+            got = sorted({type(t).__name__ for t in prompt})
+            hint = f": {TOKENIZE_HINT}" if "str" in got else ""
+            raise TypeError(f"prompt tokens must be ints, got {got}{hint}")
         bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.target.vocab_size})")

@@ -135,8 +135,22 @@ def generate(
     streamer=None,
     attention_mask: torch.Tensor | None = None,
     max_batch_size: int | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    stop_strings: str | Sequence[str] | None = None,
+    tokenizer=None,
+    **processors,
 ) -> GenerationOutput:
     """Generate from the target for a batch of prompts of different lengths.
+
+    Processors take HF's names (``repetition_penalty``, ``no_repeat_ngram_size``,
+    ``bad_words_ids``, ``min_new_tokens``, ``suppress_tokens``, ``begin_suppress_tokens``,
+    ``min_p``) or vLLM's (``frequency_penalty``, ``presence_penalty``, ``logit_bias``, ``seed``):
+    every field of :class:`SamplingParams` past top-p. Each tree node sees its own path
+    (``treespec.processors``). ``sampling`` instead gives the whole :class:`SamplingParams`, one
+    for all prompts or one per prompt (each with its own ``seed`` if it wants draws that do not
+    depend on the rest of the batch); it cannot be combined with the loose arguments.
+    ``stop_strings`` (with ``tokenizer``) stop a request once its text ends with one of them, as
+    HF's ``StopStringCriteria`` decides: the token that completes it is kept.
 
     ``input_ids`` is a list of token lists, or a padded 2-D tensor with ``attention_mask``.
     ``eos_token_id=None`` takes the model's ``generation_config.eos_token_id`` (as HF does); pass
@@ -151,7 +165,8 @@ def generate(
     prompts = as_prompts(input_ids, attention_mask)
     if streamer is not None and len(prompts) != 1:
         raise ValueError(f"a streamer needs exactly one prompt, got {len(prompts)}")
-    sampling = SamplingParams(temperature, top_k, top_p)
+    per_prompt = _sampling_per_prompt(sampling, len(prompts), temperature, top_k, top_p, processors)
+    stop = _stop_criteria(stop_strings, tokenizer)
     eos = _default_eos(target.model) if eos_token_id is None else eos_token_id
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -177,8 +192,8 @@ def generate(
         proposer=proposer,
     )
     ids = [
-        engine.add_request(p, max_new_tokens=max_new_tokens, eos_token_id=eos, sampling=sampling)
-        for p in prompts
+        engine.add_request(p, max_new_tokens=max_new_tokens, eos_token_id=eos, sampling=params, stop=stop)
+        for p, params in zip(prompts, per_prompt, strict=True)
     ]
     if streamer is not None:
         streamer.put(torch.tensor([prompts[0]]))
@@ -192,3 +207,60 @@ def generate(
     return GenerationOutput(
         sequences, GenerationStats.from_engine(ids, engine.stats, time.perf_counter() - start)
     )
+
+
+PROCESSOR_FIELDS = (
+    "repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size", "min_new_tokens",
+    "min_p", "logit_bias", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "seed",
+)  # fmt: skip
+
+
+def _sampling_per_prompt(
+    sampling, count: int, temperature, top_k, top_p, processors: dict
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt, from ``sampling`` or from the loose arguments."""
+    unknown = sorted(set(processors) - set(PROCESSOR_FIELDS))
+    if unknown:
+        raise TypeError(
+            f"generate() got unexpected keyword argument(s) {unknown}; sampling arguments are temperature, "
+            f"top_k, top_p and {', '.join(PROCESSOR_FIELDS)}"
+        )
+    if sampling is None:
+        return [SamplingParams(temperature, top_k, top_p, **processors)] * count
+    loose = [name for name, value, off in (("temperature", temperature, 0.0), ("top_k", top_k, None),
+                                          ("top_p", top_p, None)) if value != off] + sorted(processors)  # fmt: skip
+    if loose:
+        raise ValueError(
+            f"give either sampling= or the loose sampling arguments, not both: got sampling and {loose}"
+        )
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * count
+    sampling = list(sampling)
+    if len(sampling) != count or not all(isinstance(p, SamplingParams) for p in sampling):
+        raise ValueError(
+            f"sampling must be one SamplingParams or a list of one per prompt ({count}), got "
+            f"{len(sampling)} item(s) of {sorted({type(p).__name__ for p in sampling})}"
+        )
+    return sampling
+
+
+def _stop_criteria(stop_strings, tokenizer):
+    """A callable (tokens so far -> stop?) from HF's ``StopStringCriteria``, or None."""
+    if stop_strings is None:
+        return None
+    if tokenizer is None:
+        raise ValueError(
+            "stop_strings needs the tokenizer: generate(..., stop_strings=[...], tokenizer=tokenizer)"
+        )
+    strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+    if not strings or not all(isinstance(s, str) and s for s in strings):
+        raise ValueError(f"stop_strings must be a non-empty string or list of them, got {stop_strings!r}")
+    from transformers import StopStringCriteria
+
+    criteria = StopStringCriteria(tokenizer, strings)
+    tail = criteria.maximum_token_len
+
+    def stop(tokens: list[int]) -> bool:
+        return bool(criteria(torch.tensor([tokens[-tail:]]), None)[0])
+
+    return stop

@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from treespec.processors import RowContexts, process, tree_paths
 from treespec.proposers.base import ProposalRequest, Proposer, RequestResult, StepResult
 from treespec.sampling import SamplingParams, next_tokens
 from treespec.target import Target
@@ -44,7 +45,9 @@ class Request:
     slot: int = -1  # cache row while running
     num_prefilled: int = 0  # prompt tokens whose K/V is cached
     output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos" or "length"
+    finish_reason: str | None = None  # "eos", "length" or "stop"
+    generator: torch.Generator | None = None  # its own, when its sampling has a seed
+    stop: Callable[[list[int]], bool] | None = None  # prompt + output -> finished?
 
     @property
     def prefilling(self) -> bool:
@@ -156,8 +159,11 @@ class Engine:
         max_new_tokens: int,
         eos_token_id: int | Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
+        stop: Callable[[list[int]], bool] | None = None,
     ) -> int:
-        """Queue a request; it starts at the next step with a free slot. Returns its request id."""
+        """Queue a request; it starts at the next step with a free slot. Returns its request id.
+        ``stop`` (e.g. stop strings) sees prompt + output after each new token and ends the
+        request, that token kept, when it returns True (finish reason "stop")."""
         prompt = self._check_prompt(prompt)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -168,7 +174,17 @@ class Engine:
                 f"{self.max_len} (model context {self.target.max_context})"
             )
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-        request = Request(self._next_id, prompt, max_new_tokens, frozenset(eos), sampling or SamplingParams())
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a treespec.SamplingParams, got {type(sampling).__name__}")
+        outside = sorted(t for t in sampling.token_ids() if t >= self.target.vocab_size)
+        if outside:
+            raise ValueError(
+                f"the sampling parameters name token id {outside[0]}, outside the vocabulary [0, {self.target.vocab_size})"
+            )
+        request = Request(self._next_id, prompt, max_new_tokens, frozenset(eos), sampling, stop=stop)
+        if sampling.seed is not None:  # its own stream: what it draws does not depend on its batch
+            request.generator = torch.Generator(device=self.target.device).manual_seed(sampling.seed)
         self._next_id += 1
         self._requests[request.request_id] = request
         self._waiting.append(request)
@@ -230,21 +246,22 @@ class Engine:
             if self.feature_layers
             else out.hidden
         )
+        finishing_prefill = [r for r in self._running if r.prefilling and batch.finishes_prefill(r)]
+        logits = self._process(out.logits, finishing_prefill, decoding, batch)
         scored = time.perf_counter()
-        accepted, committed = self._verify(decoding, trees, out.logits[batch.num_prefill_logits :])
+        accepted, committed = self._verify(decoding, trees, logits[batch.num_prefill_logits :])
         verified = time.perf_counter()
         keep = batch.prefill_accepted | {
             r.request_id: nodes for r, nodes in zip(decoding, accepted, strict=True)
         }
         self.cache.commit([r.slot for r in self._running], [keep[r.request_id] for r in self._running])
         committed_at = time.perf_counter()
-        finishing_prefill = [r for r in self._running if r.prefilling and batch.finishes_prefill(r)]
         if self.wants_hidden:
             self._hand_over_prefill(features, batch)
         for request in self._running:
             if request.prefilling:
                 request.num_prefilled += batch.chunk_len[request.request_id]
-        first_tokens = self._first_tokens(finishing_prefill, out.logits[: batch.num_prefill_logits])
+        first_tokens = self._first_tokens(finishing_prefill, logits[: batch.num_prefill_logits])
         prefill_hidden, decode_hidden = self._hidden_for_proposer(
             features, batch, finishing_prefill, decoding, accepted
         )
@@ -322,9 +339,16 @@ class Engine:
         for params, members in _group_by_sampling(decoding).items():
             sub_tree, sub_logits = _select(trees, logits, members)
             eps, delta = params.typical_acceptance or MEDUSA_TYPICAL  # read only in typical mode
+            uniforms = None
+            if not params.greedy and params.seed is not None:  # each request draws from its own stream
+                sizes = sub_tree.sizes()
+                uniforms = torch.cat([
+                    torch.rand(n, 2, generator=decoding[m].generator, device=logits.device)
+                    for m, n in zip(members, sizes, strict=True)
+                ])  # fmt: skip
             result = verify(
                 sub_tree, sub_logits, params, mode=self._mode(params), generator=self.generator,
-                check=self.debug, typical_eps=eps, typical_delta=delta,
+                uniforms=uniforms, check=self.debug, typical_eps=eps, typical_delta=delta,
             )  # fmt: skip
             for k, (nodes, tokens) in enumerate(
                 zip(result.accepted_lists(), result.committed_tokens(sub_tree), strict=True)
@@ -332,6 +356,28 @@ class Engine:
                 accepted[members[k]] = nodes
                 committed[members[k]] = tokens
         return accepted, committed
+
+    def _process(
+        self, logits: torch.Tensor, finishing: list[Request], decoding: list[Request], batch: StepBatch
+    ) -> torch.Tensor:
+        """The logits rows after each request's processors (``treespec.processors``): a prompt's
+        last row sees the prompt, a tree node the committed sequence and its own path."""
+        requests = finishing + decoding
+        if not any(r.sampling.has_processors for r in requests):
+            return logits
+        row_request, paths = [], []
+        for b in range(len(finishing)):
+            row_request.append(b)
+            paths.append([])
+        for k, (tokens, parents) in enumerate(batch.tree_lists):
+            for path in tree_paths(tokens, parents):
+                row_request.append(len(finishing) + k)
+                paths.append(path)
+        rows = RowContexts(
+            [r.prompt + r.output for r in requests], [len(r.prompt) for r in requests],
+            [r.sampling for r in requests], [r.eos_token_ids for r in requests], row_request, paths,
+        )  # fmt: skip
+        return process(logits, rows)
 
     def _mode(self, params: SamplingParams) -> str:
         """The verification rule: greedy at temperature 0; above it typical acceptance when the
@@ -347,7 +393,8 @@ class Engine:
         if all(r.sampling.greedy for r in requests):
             return [[t] for t in logits.argmax(-1).tolist()]  # host sync: one per step
         return [
-            [int(next_tokens(logits[i : i + 1], r.sampling, self.generator))] for i, r in enumerate(requests)
+            [int(next_tokens(logits[i : i + 1], r.sampling, r.generator or self.generator))]
+            for i, r in enumerate(requests)
         ]
 
     def _hand_over_prefill(self, hidden: torch.Tensor, batch: StepBatch) -> None:
@@ -407,6 +454,8 @@ class Engine:
                     request.finish_reason = "eos"
                 elif len(request.output) + len(kept) >= request.max_new_tokens:
                     request.finish_reason = "length"
+                elif request.stop is not None and request.stop(request.prompt + request.output + kept):
+                    request.finish_reason = "stop"
                 if request.finished:
                     break
             request.output.extend(kept)

@@ -1,7 +1,8 @@
-"""Logits -> probabilities (temperature, top-k, top-p) and seeded sampling.
+"""Logits -> probabilities (temperature, top-k, top-p, min-p) and seeded sampling.
 
 Semantics and order follow Hugging Face's logits warpers as ``generate(do_sample=True)`` applies
-them: temperature, then top-k, then top-p (nucleus, keeping at least one token). Temperature 0
+them: temperature, then top-k, then top-p (nucleus, keeping at least one token), then min-p.
+The processors that come before them (penalties, bans) are ``treespec.processors``. Temperature 0
 means greedy: the argmax of the raw logits, whatever top-k and top-p say.
 Randomness is an input: pass a ``torch.Generator`` so that seeded runs reproduce exactly.
 """
@@ -25,8 +26,22 @@ class SamplingParams:
     # passes if p(x) > min(eps, delta * exp(-H(p))). LOSSY: the output no longer follows the
     # target's distribution exactly (docs/verification.md). Medusa's values: (0.09, 0.3).
     typical_acceptance: tuple[float, float] | None = None
+    # Processors (treespec.processors), under HF's names and semantics unless noted; each node of
+    # a tree sees its own path. Defaults are off.
+    repetition_penalty: float = 1.0  # HF: over prompt and output
+    frequency_penalty: float = 0.0  # vLLM / OpenAI: minus this times the count in the output
+    presence_penalty: float = 0.0  # vLLM / OpenAI: minus this once for a token in the output
+    no_repeat_ngram_size: int = 0
+    min_new_tokens: int = 0  # EOS is suppressed until this many new tokens
+    min_p: float | None = None  # a warper, after top-p: drop p < min_p * max p (sampling only)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # token -> added logit; a dict is accepted
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()  # suppressed at the first new token only
+    seed: int | None = None  # this request's own random stream (vLLM's per-request seed)
 
     def __post_init__(self) -> None:
+        self._check_processors()
         if (
             not isinstance(self.temperature, (int, float))
             or not math.isfinite(self.temperature)
@@ -53,6 +68,73 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_processors(self) -> bool:
+        """Whether any processor that treespec.processors applies is on."""
+        return bool(
+            self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
+            or self.no_repeat_ngram_size or self.min_new_tokens or self.logit_bias or self.bad_words_ids
+            or self.suppress_tokens or self.begin_suppress_tokens
+        )  # fmt: skip
+
+    def token_ids(self) -> set[int]:
+        """Every token id the processors name (for a check against the vocabulary)."""
+        words = {t for word in self.bad_words_ids for t in word}
+        return (
+            words
+            | {t for t, _ in self.logit_bias}
+            | set(self.suppress_tokens)
+            | set(self.begin_suppress_tokens)
+        )
+
+    def _check_processors(self) -> None:
+        def number(name: str, value, ok, expected: str) -> None:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or not ok(value)
+            ):
+                raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+        number("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "a number > 0 (1.0: off)")
+        number("frequency_penalty", self.frequency_penalty, lambda v: True, "a finite number (0: off)")
+        number("presence_penalty", self.presence_penalty, lambda v: True, "a finite number (0: off)")
+        for name in ("no_repeat_ngram_size", "min_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0: off), got {value!r}")
+        if self.min_p is not None:
+            number("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1] or None")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, dict) else bias
+        if not isinstance(pairs, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and _is_token(p[0]) for p in pairs
+        ):
+            raise ValueError(f"logit_bias must map token ids (ints >= 0) to numbers, got {bias!r}")
+        for _, value in pairs:
+            number("a logit_bias value", value, lambda v: True, "a finite number")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in pairs))
+        words = self.bad_words_ids
+        if not isinstance(words, (list, tuple)) or not all(
+            isinstance(w, (list, tuple)) and w and all(_is_token(t) for t in w) for w in words
+        ):
+            raise ValueError(
+                f"bad_words_ids must be a list of non-empty lists of token ids (ints >= 0), got {words!r}"
+            )
+        object.__setattr__(self, "bad_words_ids", tuple(tuple(w) for w in words))
+        for name in ("suppress_tokens", "begin_suppress_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or not all(_is_token(t) for t in value):
+                raise ValueError(f"{name} must be a list of token ids (ints >= 0), got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Target distribution after temperature, top-k and top-p, in float32.
@@ -68,6 +150,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p is not None and params.top_p < 1.0:
         scores = _top_p_filter(scores, params.top_p)
+    if params.min_p:  # HF's MinPLogitsWarper: the top token always stays
+        probs = scores.softmax(-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return scores.softmax(-1)
 
 

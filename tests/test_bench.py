@@ -123,6 +123,12 @@ def test_cli_runs_every_method_and_baseline_end_to_end(tmp_path, capfd):
     assert not (tmp_path / "out.png").exists()
     eagle = json.loads((tmp_path / "out.json").read_text())["methods"][-1]
     assert 0 < eagle["mean_drafted_nodes"] <= 4 and eagle["identical_to_reference"] == 1.0
+    # a repetition penalty for every method and baseline: HF's and treespec's outputs still agree
+    assert main([*argv[:-6], "--proposer", "ngram,eagle", "--repetition-penalty", "1.5", "--no-plot",
+                 "--baselines", "hf,hf-pld", "--heads", f"eagle={tmp_path / 'eagle'}"]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["config"]["repetition_penalty"] == 1.5
+    assert all(m["identity"] == {"exact": 3, "near_tie": 0, "diverged": 0} for m in report["methods"])
 
 
 def test_batches_stay_within_a_category():

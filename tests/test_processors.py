@@ -242,6 +242,16 @@ def test_bad_processor_arguments_are_named(target):
     with pytest.raises(ValueError, match=f"name token id {VOCAB + 1}, outside the vocabulary"):
         engine.add_request([1, 2], max_new_tokens=2, sampling=SamplingParams(bad_words_ids=[[VOCAB + 1]]))
     assert hash(SamplingParams(logit_bias={1: 2.0})) == hash(SamplingParams(logit_bias=((1, 2.0),)))
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['repetition_penalt'\]"):
+        treespec.generate(target, [[1, 2]], max_new_tokens=2, repetition_penalt=1.2)
+    with pytest.raises(ValueError, match=r"not both: got sampling and \['temperature', 'min_p'\]"):
+        treespec.generate(
+            target, [[1, 2]], max_new_tokens=2, sampling=SamplingParams(), temperature=1.0, min_p=0.1
+        )
+    with pytest.raises(ValueError, match=r"one per prompt \(2\), got 1 item"):
+        treespec.generate(target, [[1, 2], [3]], max_new_tokens=2, sampling=[SamplingParams()])
+    with pytest.raises(ValueError, match="stop_strings needs the tokenizer"):
+        treespec.generate(target, [[1, 2]], max_new_tokens=2, stop_strings="x")
 
 
 # ----------------------------------------------------------------------- sampling: still lossless

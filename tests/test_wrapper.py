@@ -10,7 +10,7 @@ from conftest import VOCAB, build
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TextIteratorStreamer, TextStreamer
 
-from treespec.wrapper import OFF_VALUES, SpeculativeCausalLM
+from treespec.wrapper import OFF_VALUES, PROCESSORS, SpeculativeCausalLM
 
 PROMPTS = [list(range(5, 12)), [20, 21, 22], list(range(30, 60))]  # lengths 7, 3, 30
 PAD = 0  # no prompt contains it
@@ -240,18 +240,21 @@ def test_off_values_are_accepted(wrapped):
         stopping_criteria=None,
     )
     assert torch.equal(lm.generate(ids, max_new_tokens=4, **off), plain)
-    assert all(name in OFF_VALUES for name in off)
+    assert all(name in OFF_VALUES or name in PROCESSORS for name in off)
 
 
 def test_unsupported_arguments_raise_naming_them(wrapped):
     lm = wrapped("llama")
     ids = torch.tensor([PROMPTS[1]])
-    with pytest.raises(ValueError, match=r"num_beams=4, repetition_penalty=1\.2, num_return_sequences=2"):
-        lm.generate(ids, num_beams=4, repetition_penalty=1.2, num_return_sequences=2)
+    with pytest.raises(ValueError, match=r"num_beams=4, typical_p=0\.5, num_return_sequences=2"):
+        lm.generate(ids, num_beams=4, typical_p=0.5, num_return_sequences=2)
+    with pytest.raises(ValueError, match="sequence_bias supports single tokens only"):
+        lm.generate(ids, sequence_bias={(4, 5): 1.0})
+    with pytest.raises(ValueError, match="stop_strings needs the tokenizer"):
+        lm.generate(ids, stop_strings=["ab"])
     for name, value in [
         ("return_dict_in_generate", True),
         ("output_scores", True),
-        ("min_new_tokens", 3),
         ("logits_processor", []),
         ("stopping_criteria", []),
         ("use_cache", False),
@@ -326,3 +329,66 @@ def test_with_a_proposer_the_output_is_still_hfs(wrapped, capsys):
     expected = capsys.readouterr().out
     lm.generate(one, max_new_tokens=24, streamer=TextStreamer(tokenizer))
     assert capsys.readouterr().out == expected
+
+
+PROCESSOR_ARGS = [
+    dict(repetition_penalty=1.6),
+    dict(no_repeat_ngram_size=2),
+    dict(bad_words_ids=[[41], [22, 72]], suppress_tokens=[58]),
+    dict(sequence_bias={(41,): 2.0, (80,): -1.5}, begin_suppress_tokens=[22]),
+    dict(min_new_tokens=5, repetition_penalty=1.2, no_repeat_ngram_size=3),
+]
+
+
+@pytest.mark.parametrize("args", PROCESSOR_ARGS, ids=lambda a: ",".join(a))
+def test_processors_equal_hf(wrapped, args):
+    """HF's processor arguments, greedy, with and without a proposer: HF's output, prompt by prompt
+    (HF's processors would also see the left padding of a batch: its pad tokens are penalised)."""
+    from treespec.proposers import NgramProposer
+
+    base = wrapped("llama")
+    for lm in (base, SpeculativeCausalLM(base.model, NgramProposer(max_depth=4))):
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            plain = hf(lm.model, ids, max_new_tokens=NEW, do_sample=False)
+            free = plain[0, ids.shape[1] :]
+            eos = free[4].item() if "min_new_tokens" in args else None  # an EOS the processor must hold back
+            want = hf(lm.model, ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos, **args)
+            assert torch.equal(lm.generate(ids, max_new_tokens=NEW, eos_token_id=eos, **args), want), prompt
+    changed = [not torch.equal(hf(base.model, torch.tensor([p]), max_new_tokens=NEW, do_sample=False, **args),
+                               hf(base.model, torch.tensor([p]), max_new_tokens=NEW, do_sample=False))
+               for p in PROMPTS]  # fmt: skip
+    assert any(changed) or "min_new_tokens" in args
+
+
+def test_sampling_with_processors_equals_hf_with_the_same_seed(wrapped):
+    lm = wrapped("llama")
+    ids = torch.tensor([PROMPTS[0]])
+    for args in (
+        dict(min_p=0.05, temperature=0.9),
+        dict(repetition_penalty=1.3, no_repeat_ngram_size=2, top_k=0),
+    ):
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            want = hf(lm.model, ids, max_new_tokens=16, do_sample=True, **args)
+            torch.manual_seed(seed)
+            assert torch.equal(lm.generate(ids, max_new_tokens=16, do_sample=True, **args), want), args
+
+
+def test_stop_strings_equal_hf(wrapped):
+    """HF's StopStringCriteria decides, after every token, in treespec too: with speculation, a
+    step's accepted tokens are cut where a stop string completes (the completing token kept)."""
+    from treespec.proposers import NgramProposer
+
+    tokenizer, base = char_tokenizer(), wrapped("llama")
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        text = tokenizer.decode(hf(base.model, ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1] :])
+        stops = [text[5:7], "never there"]  # completes at the 7th new token
+        want = hf(
+            base.model, ids, max_new_tokens=NEW, do_sample=False, stop_strings=stops, tokenizer=tokenizer
+        )
+        assert want.shape[1] < ids.shape[1] + NEW
+        for lm in (base, SpeculativeCausalLM(base.model, NgramProposer(max_depth=4))):
+            got = lm.generate(ids, max_new_tokens=NEW, stop_strings=stops, tokenizer=tokenizer)
+            assert torch.equal(got, want), prompt

@@ -80,6 +80,7 @@ class BenchConfig:
     heads: tuple[tuple[str, str], ...] = ()  # (kind, folder or registered name): overrides the shipped heads
     json: str | None = None
     plot: str | None = None
+    repetition_penalty: float = 1.0  # HF's, for every method and baseline (1.0: off)
     verbose: bool = False  # print every differing prompt under the table (the JSON always has them)
     tie_gap: float | None = None  # near-tie bound on the top-2 logit gap; None: NEAR_TIE_GAP[dtype]
     methods: tuple[str, ...] = field(init=False, default=())
@@ -106,6 +107,8 @@ class BenchConfig:
         for name in ("max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
         for name in ("temperature", "warmup", "draft_vocab", "tie_gap"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -230,8 +233,11 @@ def run_method(components: Components, method: str, prompts: list[list[int]], ge
         generator = torch.Generator(device=components.target.device).manual_seed(generator_seed)
         proposer = components.proposer(method)
         start = time.perf_counter()
+        processors = (
+            {"repetition_penalty": config.repetition_penalty} if config.repetition_penalty != 1.0 else {}
+        )
         out = generate(components.target, prompts, proposer=proposer, max_new_tokens=new, eos_token_id=[],
-                                temperature=config.temperature, generator=generator)  # fmt: skip
+                       temperature=config.temperature, generator=generator, **processors)  # fmt: skip
         seconds = time.perf_counter() - start
         s = out.stats
         lengths = [n for per in s.accepted_lengths for n in per]
@@ -246,6 +252,8 @@ def run_method(components: Components, method: str, prompts: list[list[int]], ge
         extra["prompt_lookup_num_tokens"] = 8
     elif method == "hf-assisted":
         extra["assistant_model"] = components.head("draft", for_what="hf-assisted")
+    if config.repetition_penalty != 1.0:
+        extra["repetition_penalty"] = config.repetition_penalty
     if sampling:
         extra.update(do_sample=True, temperature=config.temperature, top_k=0, top_p=1.0)
         torch.manual_seed(generator_seed)

@@ -151,6 +151,8 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="the target's dtype")
     bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    bench.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="HF's repetition penalty for every method and baseline (1.0: off)")  # fmt: skip
     bench.add_argument("--batch-size", type=int, default=1, help="prompts decoding together")
     bench.add_argument("--seed", type=int, default=0, help="sampling seed")
     bench.add_argument("--warmup", type=int, default=1, help="warm-up runs of every method (short)")
@@ -213,7 +215,7 @@ def _bench(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         dtype=args.dtype, temperature=args.temperature, batch_size=args.batch_size, seed=args.seed,
         warmup=args.warmup, budget=args.budget, linear_backend=args.linear_backend, draft_vocab=args.draft_vocab, json=args.json, plot=plot, device=args.device, verbose=args.verbose,
-        tie_gap=args.tie_gap,
+        tie_gap=args.tie_gap, repetition_penalty=args.repetition_penalty,
         heads=tuple(_kind_path(h) for h in args.heads),
     )  # fmt: skip
     run(config)

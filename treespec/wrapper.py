@@ -9,9 +9,10 @@ Defaults follow HF 5.x: an argument left out takes ``model.generation_config``'s
 global default (``do_sample=False``, ``temperature=1.0``, ``top_k=50``, ``top_p=1.0``, 20 new
 tokens). An argument passed as None means "unset" and overrides the config, as in HF: for
 example ``eos_token_id=None`` never stops early and ``pad_token_id=None`` pads with the first EOS
-id, whatever the config holds. Any other HF argument raises unless it holds HF's "off" value
-(``num_beams=1``, ``repetition_penalty=1.0``, ``use_cache=True``, ...): see ``OFF_VALUES`` and
-docs/wrapper.md.
+id, whatever the config holds. HF's logits processors in ``PROCESSORS`` and ``stop_strings`` (with
+``tokenizer``) are applied on trees (``treespec.processors``). Any other HF argument raises unless
+it holds HF's "off" value (``num_beams=1``, ``typical_p=1.0``, ``use_cache=True``, ...): see
+``OFF_VALUES`` and docs/wrapper.md.
 """
 
 from __future__ import annotations
@@ -61,19 +62,11 @@ OFF_VALUES: dict[str, tuple] = {
     "custom_generate": (),
     "generation_config": (),
     # logits processors beyond temperature / top-k / top-p
-    "repetition_penalty": (1.0,),
     "encoder_repetition_penalty": (1.0,),
-    "no_repeat_ngram_size": (0,),
     "encoder_no_repeat_ngram_size": (0,),
-    "bad_words_ids": (),
-    "sequence_bias": (),
-    "suppress_tokens": (),
-    "begin_suppress_tokens": (),
     "forced_bos_token_id": (),
     "forced_eos_token_id": (),
     "min_length": (0,),
-    "min_new_tokens": (0,),
-    "min_p": (),
     "top_h": (),
     "typical_p": (1.0,),
     "epsilon_cutoff": (0.0,),
@@ -90,9 +83,7 @@ OFF_VALUES: dict[str, tuple] = {
     "prefix_allowed_tokens_fn": (),
     # stopping rules beyond EOS and length
     "stopping_criteria": (),
-    "stop_strings": (),
     "max_time": (),
-    "tokenizer": (),
     # outputs: treespec returns the sequences tensor only
     "return_dict_in_generate": (False,),
     "output_scores": (False,),
@@ -177,9 +168,15 @@ class SpeculativeCausalLM:
         Shape:
             input_ids [B, W] long, attention_mask [B, W] -> [B, W + new_width] long
         """
+        config = self.model.generation_config
+        processors = {
+            name: _from_config(kwargs.pop(name, UNSET), getattr(config, name, None)) for name in PROCESSORS
+        }
+        stop_strings, tokenizer = kwargs.pop("stop_strings", None), kwargs.pop("tokenizer", None)
+        if stop_strings is None:
+            stop_strings = getattr(config, "stop_strings", None)
         _reject_unsupported(kwargs)
         _check_input_ids(input_ids, attention_mask)
-        config = self.model.generation_config
         eos = _resolve_eos(config, eos_token_id)
         pad = _resolve_pad(config, pad_token_id, eos)
         if attention_mask is None:
@@ -197,6 +194,9 @@ class SpeculativeCausalLM:
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            **_processor_arguments(processors, sampling=temperature > 0),
+            stop_strings=stop_strings,
+            tokenizer=tokenizer,
             eos_token_id=eos,
             prefill_chunk_size=self.prefill_chunk_size,
             generator=generator,
@@ -207,6 +207,32 @@ class SpeculativeCausalLM:
 
     def __repr__(self) -> str:
         return f"SpeculativeCausalLM({type(self.model).__name__}, proposer={self.proposer!r})"
+
+
+# HF's logits processors that treespec applies on trees (treespec.processors), by HF's name.
+PROCESSORS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "min_new_tokens",
+              "suppress_tokens", "begin_suppress_tokens", "min_p")  # fmt: skip
+
+
+def _processor_arguments(values: dict, *, sampling: bool) -> dict:
+    """HF's processor arguments (None: unset) as treespec.generate's: ``sequence_bias`` of single
+    tokens becomes ``logit_bias``; ``min_p``, a warper, counts only when sampling, as in HF."""
+    out = {name: value for name, value in values.items() if value is not None and name != "sequence_bias"}
+    bias = values.get("sequence_bias")
+    if bias:
+        if isinstance(bias, list):  # HF also takes [[tokens, bias], ...]
+            bias = {tuple(tokens): value for tokens, value in bias}
+        longer = [k for k in bias if not (isinstance(k, tuple) and len(k) == 1)]
+        if longer:
+            raise ValueError(
+                f"sequence_bias supports single tokens only, as {{(token,): bias}}; got the key(s) {longer[:3]}"
+            )
+        out["logit_bias"] = {k[0]: v for k, v in bias.items()}
+    if not sampling:
+        out.pop("min_p", None)
+    if out.get("suppress_tokens") is not None:
+        out["suppress_tokens"] = list(out["suppress_tokens"])
+    return out
 
 
 def _is_off(value, off_values: tuple) -> bool:
@@ -239,9 +265,9 @@ def _reject_unsupported(kwargs: dict) -> None:
     if bad:
         raise ValueError(
             f"SpeculativeCausalLM.generate does not support {', '.join(bad)}: treespec decodes one "
-            "sequence per prompt with temperature, top-k and top-p only and returns the sequences "
-            "tensor. HF arguments are accepted only at their 'off' value (e.g. num_beams=1, "
-            "repetition_penalty=1.0, return_dict_in_generate=False); see docs/wrapper.md"
+            "sequence per prompt (temperature, top-k, top-p and the processors in docs/wrapper.md) and "
+            "returns the sequences tensor. Other HF arguments are accepted only at their 'off' value "
+            "(e.g. num_beams=1, typical_p=1.0, return_dict_in_generate=False); see docs/wrapper.md"
         )
 
 

@@ -317,3 +317,22 @@ def test_sampling_with_processors_is_lossless(fields, sample):
         f"the test cannot tell the processed distribution from the plain one ({wrong:.1f})"
     )
     assert out.stats.tau > 1.3  # the draft was used
+
+
+def test_eagle_drafts_with_the_requests_processors(target):
+    """The drafter's scores get the request's processors on each node's path: a suppressed token is
+    never drafted, and a repetition penalty changes what is drafted (acceptance only: the
+    output is the target's either way, as the tests above check)."""
+    from conftest import record_drafted
+
+    def drafted(**fields) -> set[int]:
+        proposer = EagleProposer(random_head(target), target, top_k=3, depth=4, total_tokens=10)
+        seen = record_drafted(proposer)
+        treespec.generate(
+            target, PROMPTS, max_new_tokens=NEW, proposer=proposer, sampling=SamplingParams(**fields)
+        )
+        return seen
+
+    free = drafted()
+    banned = sorted(free)[::3]
+    assert banned and not drafted(suppress_tokens=banned) & set(banned)

@@ -40,6 +40,7 @@ from treespec.api import generate
 from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
 from treespec.linear import LINEAR_BACKENDS
 from treespec.models import load
+from treespec.processors import RowContexts, process
 from treespec.prompts import BENCH_PROMPTS, encode_prompts, read_prompt_records
 from treespec.proposers import (
     DraftModelProposer,
@@ -48,6 +49,7 @@ from treespec.proposers import (
     MedusaProposer,
     NgramProposer,
 )
+from treespec.sampling import SamplingParams
 from treespec.target import Target
 
 METHODS = ("none", "ngram", "draft", "medusa", "eagle", "hybrid")
@@ -299,10 +301,16 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 
 def first_divergence(
-    components: Components, prompt: list[int], got: list[int], want: list[int], memo: dict | None = None
+    components: Components,
+    prompt: list[int],
+    got: list[int],
+    want: list[int],
+    memo: dict | None = None,
+    params: SamplingParams | None = None,
 ) -> dict:
-    """Where two continuations part, and how close the target's top-2 logits are there. ``memo``
-    keeps one forward per (prompt, reference): the top-2 gap at every reference position."""
+    """Where two continuations part, and how close the target's top-2 logits are there (after the
+    run's processors, which decided the token). ``memo`` keeps one forward per (prompt,
+    reference): the top-2 gap at every reference position."""
     position = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
     key = (tuple(prompt), tuple(want))
     memo = {} if memo is None else memo
@@ -311,7 +319,9 @@ def first_divergence(
         ids = torch.tensor([prompt + want[:-1]], device=model.device)
         with torch.no_grad():  # rows predicting want[0], ..., want[-1]
             logits = model(ids, logits_to_keep=len(want)).logits[0].float()
-        top = logits.topk(2, dim=-1).values
+        rows = RowContexts([prompt], [len(prompt)], [params or SamplingParams()], [frozenset()], [0] * len(want),
+                           [want[:j] for j in range(len(want))])  # fmt: skip
+        top = process(logits, rows).topk(2, dim=-1).values
         memo[key] = (top[:, 0] - top[:, 1]).tolist()
     return {"position": position, "got": got[position], "reference": want[position],
             "top2_logit_gap": memo[key][position]}  # fmt: skip
@@ -413,6 +423,7 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
     hf_rate = None
     methods = []
     gaps: dict = {}  # first_divergence's memo, shared by all methods
+    params = SamplingParams(repetition_penalty=config.repetition_penalty)  # the processors every method ran
     categories = sorted({c for c, _ in pairs})
     for name in order:
         runs = results[name]
@@ -458,7 +469,7 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
                     if toks == reference[i]:
                         identical += 1
                     else:
-                        where = first_divergence(components, encoded[i], toks, reference[i], gaps)
+                        where = first_divergence(components, encoded[i], toks, reference[i], gaps, params)
                         near_tie = where["top2_logit_gap"] <= config.near_tie_gap
                         mismatches.append({"prompt": i, **where, "near_tie": near_tie})
             ties = sum(m["near_tie"] for m in mismatches)
@@ -560,25 +571,29 @@ def legend(report: dict) -> str:
 
 
 def summary_line(report: dict) -> str:
-    """The fastest method, and whether every method kept the target's output."""
+    """The fastest method, and whether the treespec methods and the baselines kept the target's
+    output (how many prompts first differ at a near-tie, and any real divergence by name)."""
     methods = report["methods"]
     fastest = max(methods, key=lambda m: m["tokens_per_s"])
     speed = f", {fastest['speedup_vs_hf']:.2f}x HF generate" if "speedup_vs_hf" in fastest else ""
     text = f"summary: fastest {fastest['name']} ({fastest['tokens_per_s']:.1f} tok/s{speed})"
     checked = [m for m in methods if m.get("identity") and m["name"] != "none"]
     if not checked:
-        return text + "; output identity not checked (sampling)" if methods else text
+        return text + "; output identity not checked (sampling)"
     prompts, gap = report["prompts"], report["near_tie_gap"]
-    runs = prompts * len(checked)
-    exact = sum(m["identity"]["exact"] for m in checked)
-    ties = sum(m["identity"]["near_tie"] for m in checked)
+    for kind, label in (("treespec", "treespec's methods"), ("baseline", "the baselines")):
+        group = [m for m in checked if m["kind"] == kind]
+        if not group:
+            continue
+        exact = sum(m["identity"]["exact"] for m in group)
+        ties = sum(m["identity"]["near_tie"] for m in group)
+        if exact == prompts * len(group):
+            text += f"; {label} kept the target's output on all {prompts} prompts"
+        else:
+            text += f"; {label} on {exact} of {prompts * len(group)} method-prompt runs"
+            if ties:
+                text += f", {ties} first differing at a near-tie (top-2 gap <= {gap:g})"
     diverged = [m for m in checked if m["identity"]["diverged"]]
-    if exact == runs:
-        text += f"; every method kept the target's output on all {prompts} prompts"
-    else:
-        text += f"; methods kept the target's output on {exact} of {runs} method-prompt runs"
-        if ties:
-            text += f", {ties} first differ at a near-tie (top-2 gap <= {gap:g})"
     if diverged:
         named = ", ".join(f"{m['name']} ({m['identity']['diverged']})" for m in diverged)
         text += f"; REAL DIVERGENCE (gap > {gap:g}) in {named}: see the JSON's mismatches"

@@ -59,6 +59,23 @@ def tree_paths(tokens: Sequence[int], parents: Sequence[int]) -> list[list[int]]
     return paths
 
 
+def process_draft(
+    log_probs: torch.Tensor, requests: Sequence, row_request: Sequence[int], paths: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """A drafter's next-token log-probabilities [R, V] at tree nodes, with each node's request's
+    processors applied on its path and renormalised (still log-probabilities, <= 0), so the drafter
+    proposes what the processed target would more often. ``requests`` are the proposer's
+    ``ProposalRequest``s. Only acceptance depends on this: verification judges by the target."""
+    rows = RowContexts(
+        [r.tokens for r in requests], [r.prompt_len for r in requests], [r.sampling for r in requests],
+        [frozenset()] * len(requests), row_request, paths,
+    )  # fmt: skip
+    processed = process(log_probs, rows)
+    if processed is log_probs:
+        return log_probs
+    return torch.log_softmax(processed, dim=-1).nan_to_num(nan=float("-inf"))  # a row banned whole stays -inf
+
+
 def process(logits: torch.Tensor, rows: RowContexts) -> torch.Tensor:
     """The logits every row's request asks for, in float32 when any row is processed; the
     input itself when none is.

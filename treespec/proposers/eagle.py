@@ -32,6 +32,7 @@ from treespec import linear
 from treespec.cache import KVCache
 from treespec.heads.eagle import EagleHead, default_feature_layers
 from treespec.kernels.tree_attention import resolve_backend
+from treespec.processors import process_draft
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
 from treespec.target import StepMetadata
 from treespec.tree import (
@@ -207,6 +208,10 @@ class EagleProposer(Proposer):
         k = self.top_k
         num_nodes = min(self.total_tokens, dynamic_capacity(k, depth))
         root_logprobs = self._log_probs(root_features)  # [B, V]
+        processed = any(r.sampling.has_processors for r in requests)
+        if processed:  # the requests' processors steer the drafts too, each node on its own path
+            root_logprobs = process_draft(root_logprobs, requests, range(len(requests)), [[]] * len(requests))
+            paths: list[list[list[int]]] = []  # per expansion: per request, per frontier slot
         device = root_features.device
         slots = torch.tensor([self._slot[i] for i in ids], device=device)
         drafted_parents: list[list[int]] = [[] for _ in ids]  # per request, per node run: parent's run index
@@ -223,7 +228,16 @@ class EagleProposer(Proposer):
             run_parents = torch.where(parent_slots >= 0, (step - 2) * k + parent_slots, NO_PARENT)  # [B, K]
             h = self._run_level(slots, frontier_tokens, features, drafted_parents, run_parents, step)
             outputs.append(h)
-            return self._log_probs(h.flatten(0, 1)).view(len(ids), k, -1)
+            log_probs = self._log_probs(h.flatten(0, 1))
+            if processed:
+                tokens, parents = frontier_tokens.tolist(), parent_slots.tolist()
+                paths.append([[(paths[-1][b][p] if step > 1 else []) + [t] for t, p in zip(tokens[b], parents[b], strict=True)]
+                              for b in range(len(ids))])  # fmt: skip
+                flat = [path for per_request in paths[-1] for path in per_request]
+                log_probs = process_draft(
+                    log_probs, requests, [b for b in range(len(ids)) for _ in range(k)], flat
+                )
+            return log_probs.view(len(ids), k, -1)
 
         roots = torch.tensor([r.tokens[-1] for r in requests], device=device)
         return build_dynamic_tree(roots, root_logprobs, expand, top_k=k, depth=depth, num_nodes=num_nodes)

@@ -319,14 +319,19 @@ def test_sampling_with_processors_is_lossless(fields, sample):
     assert out.stats.tau > 1.3  # the draft was used
 
 
-def test_eagle_drafts_with_the_requests_processors(target):
-    """The drafter's scores get the request's processors on each node's path: a suppressed token is
-    never drafted, and a repetition penalty changes what is drafted (acceptance only: the
-    output is the target's either way, as the tests above check)."""
+@pytest.mark.parametrize("kind", ["eagle", "draft-dynamic", "draft-shape"])
+def test_drafts_follow_the_requests_processors(target, kind):
+    """The drafter's scores get the request's processors on each node's path, so a suppressed
+    token is never drafted (acceptance only: the output is the target's either way, as the tests
+    above check; a sampling draft records the processed q, which the chi-square test covers)."""
     from conftest import record_drafted
 
     def drafted(**fields) -> set[int]:
-        proposer = EagleProposer(random_head(target), target, top_k=3, depth=4, total_tokens=10)
+        proposer = {
+            "eagle": lambda: EagleProposer(random_head(target), target, top_k=3, depth=4, total_tokens=10),
+            "draft-dynamic": lambda: DraftModelProposer(build("llama", seed=3), dynamic=(3, 3, 8)),
+            "draft-shape": lambda: DraftModelProposer(build("llama", seed=3), shape=full_tree(2, 3)),
+        }[kind]()
         seen = record_drafted(proposer)
         treespec.generate(
             target, PROMPTS, max_new_tokens=NEW, proposer=proposer, sampling=SamplingParams(**fields)

@@ -27,6 +27,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treespec import linear
+from treespec.processors import process_draft, tree_paths
 from treespec.proposers.base import ProposalRequest, Proposer, reduced_rows
 from treespec.sampling import logits_to_probs
 from treespec.target import Target
@@ -129,9 +130,17 @@ class DraftModelProposer(Proposer):
                 for b in range(len(requests))
             ]
             for b, request in enumerate(requests):
+                paths = (
+                    tree_paths(tokens[b], shapes[b].parents[: len(tokens[b])])
+                    if request.sampling.has_processors
+                    else None
+                )
                 for slot_in_level, node in enumerate(frontier[b]):
                     children = [c for c in range(shapes[b].num_nodes) if shapes[b].parents[c] == node]
-                    dist = self._distribution(level_logits[b][slot_in_level], request)
+                    logits = level_logits[b][slot_in_level]
+                    if paths is not None:  # the request's processors, on this node's path
+                        logits = process_draft(logits[None], [request], [0], [paths[node]])[0]
+                    dist = self._distribution(logits, request)
                     probs[b].append(dist)
                     picks = self._pick(dist, len(children), request)
                     tokens[b] += picks.tolist()
@@ -150,10 +159,28 @@ class DraftModelProposer(Proposer):
         roots = torch.tensor([r.tokens[-1] for r in requests], device=root_logprobs.device)
         levels: list[tuple[torch.Tensor, torch.Tensor]] = []  # per expansion: frontier tokens, parent slots
 
+        processed = any(r.sampling.has_processors for r in requests)
+        paths: list[list[list[int]]] = []  # per expansion: per request, per frontier slot
+        if processed:  # the requests' processors steer the drafts, each node on its own path
+            root_logprobs = process_draft(root_logprobs, requests, range(len(requests)), [[]] * len(requests))
+
         def expand(step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
             levels.append((frontier_tokens, parent_slots))
             logits = self._score_levels(requests, levels)  # [B, K, V]
-            return torch.log_softmax(logits.float(), -1)
+            log_probs = torch.log_softmax(logits.float(), -1)
+            if processed:
+                tokens, parents = frontier_tokens.tolist(), parent_slots.tolist()
+                paths.append([[(paths[-1][b][p] if step > 1 else []) + [t] for t, p in zip(tokens[b], parents[b], strict=True)]
+                              for b in range(len(requests))])  # fmt: skip
+                flat = [path for per_request in paths[-1] for path in per_request]
+                k = frontier_tokens.shape[1]
+                log_probs = process_draft(
+                    log_probs.flatten(0, 1),
+                    requests,
+                    [b for b in range(len(requests)) for _ in range(k)],
+                    flat,
+                ).view(log_probs.shape)
+            return log_probs
 
         return build_dynamic_tree(roots, root_logprobs, expand, top_k=top_k, depth=depth, num_nodes=num_nodes)
 

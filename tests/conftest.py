@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -114,3 +115,15 @@ def record_drafted(proposer) -> set[int]:
 
     proposer.propose = recording
     return drafted
+
+
+def chi2(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """Pearson's statistic of observed ``counts`` against ``expected`` (cells expected below 5
+    pooled into one), and its critical value at p = 1e-4 (Wilson-Hilferty)."""
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return stat, dof * (1 - 2 / (9 * dof) + 3.719 * math.sqrt(2 / (9 * dof))) ** 3

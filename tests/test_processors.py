@@ -4,12 +4,11 @@ classes on that row's full context, greedy generation with each processor agains
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
-from conftest import VOCAB, build
+from conftest import VOCAB, build, chi2
 from test_eagle import random_head
 from test_speculative import tiny_pair
 from transformers import LogitsProcessor
@@ -276,17 +275,6 @@ def processed_pair_distribution(model, prompt, vocab, params: SamplingParams) ->
     p2 = dist([prompt + [a] for a in range(vocab)])
     p3 = dist([prompt + [a, b] for a in range(vocab) for b in range(vocab)]).view(vocab, vocab, vocab)
     return torch.einsum("a,ab,abc->bc", p1, p2, p3)
-
-
-def chi2(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
-    """The statistic over cells expected >= 5 (the rest pooled), and its critical value at p = 1e-4."""
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return stat, dof * (1 - 2 / (9 * dof) + 3.719 * math.sqrt(2 / (9 * dof))) ** 3  # Wilson-Hilferty
 
 
 @pytest.mark.parametrize("sample", [True, False], ids=["sampled-children", "top-k-children"])

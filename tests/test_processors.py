@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import VOCAB, build, chi2
 from test_eagle import random_head
+from test_heads import random_heads
 from test_speculative import tiny_pair
 from transformers import LogitsProcessor
 from transformers.generation.logits_process import (
@@ -26,7 +27,13 @@ from transformers.generation.logits_process import (
 import treespec
 from treespec import Engine, SamplingParams, Target
 from treespec.processors import RowContexts, process, tree_paths
-from treespec.proposers import DraftModelProposer, EagleProposer, NgramProposer
+from treespec.proposers import (
+    DraftModelProposer,
+    EagleProposer,
+    HybridProposer,
+    MedusaProposer,
+    NgramProposer,
+)
 from treespec.sampling import logits_to_probs
 from treespec.tree import full_tree
 
@@ -171,6 +178,11 @@ def speculators(model):
         "self-draft": DraftModelProposer(model, shape=full_tree(2, 3)),  # deep accepted paths
         "draft": DraftModelProposer(build("llama", seed=3), shape=full_tree(2, 2)),
         "eagle": EagleProposer(random_head(model), model, top_k=3, depth=4, total_tokens=10),
+        "medusa": MedusaProposer(random_heads(model), model, dynamic=(2, 7)),
+        "hybrid": HybridProposer(
+            EagleProposer(random_head(model), model, top_k=2, depth=3, total_tokens=6),
+            NgramProposer(max_depth=3),
+        ),  # fmt: skip
     }
 
 

@@ -74,3 +74,40 @@ def test_learning_curve_trains_nested_points_measures_them_and_skips_what_the_da
     stamp = (tmp_path / "curve" / "eagle-10" / "head" / "model.safetensors").stat().st_mtime_ns
     run_script("learning_curve", argv, monkeypatch)
     assert (tmp_path / "curve" / "eagle-10" / "head" / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow
+def test_quick_recipe_runs_every_stage_and_reports_its_tau(tmp_path):
+    """The quick recipe end to end at its smallest: prompts, answers, features, an EAGLE head, its
+    tau; a second run resumes every stage and trains no further."""
+    import os
+    import subprocess
+
+    env = os.environ | {
+        "TREESPEC": str(Path(sys.executable).parent / "treespec"), "PYTHON": sys.executable, "PROMPTS": "10",
+        "ANSWER_TOKENS": "64", "BATCH": "4", "MAX_NEW": "16", "EPOCHS": "1",
+        "BENCH_ARGS": "--num-prompts 1 --max-new-tokens 8 --warmup 0",
+    }  # fmt: skip
+    out = tmp_path / "quick"
+    run = subprocess.run(
+        [str(SCRIPTS / "quick_recipe.sh"), str(out)], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["answer_tokens"] >= 64 and recipe["tau"] >= 1.0 and recipe["identical_to_reference"] == 1.0
+    assert set(recipe["wall_s"]) == {
+        "prompts",
+        "answers",
+        "features",
+        "train",
+        "bench",
+        "data_and_training",
+        "all",
+    }
+    assert (out / "eagle" / "head").is_dir() and "quick recipe: " in run.stdout
+    steps = json.loads((out / "eagle" / "report.json").read_text())["steps"]
+    run = subprocess.run(
+        [str(SCRIPTS / "quick_recipe.sh"), str(out)], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads((out / "eagle" / "report.json").read_text())["steps"] == steps

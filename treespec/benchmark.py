@@ -559,7 +559,7 @@ def legend(report: dict) -> str:
     identity = (
         "same/tie/diff: not checked when sampling (the same distribution, not the same tokens)"
         if sampled
-        else f"same/tie/diff: of {prompts} prompts, output equal to `none` (plain decoding) / first differing "
+        else f"same/tie/diff: of {prompts} prompt{'s' if prompts != 1 else ''}, output equal to `none` (plain decoding) / first differing "
         f"where the target's top-2 logits are within {gap:g} (a {report['config'].get('dtype', '')} rounding "
         "near-tie) / differing beyond that (a bug in a treespec method)"
     )
@@ -588,7 +588,9 @@ def summary_line(report: dict) -> str:
         exact = sum(m["identity"]["exact"] for m in group)
         ties = sum(m["identity"]["near_tie"] for m in group)
         if exact == prompts * len(group):
-            text += f"; {label} kept the target's output on all {prompts} prompts"
+            text += f"; {label} kept the target's output on " + (
+                f"all {prompts} prompts" if prompts > 1 else "the prompt"
+            )
         else:
             text += f"; {label} on {exact} of {prompts * len(group)} method-prompt runs"
             if ties:

@@ -12,7 +12,10 @@
 #
 #   scripts/quick_recipe.sh [OUT]          (default OUT: runs/quick; every stage resumes)
 #
-# Writes OUT/recipe.json: the settings, each stage's wall seconds, the data's size and the tau.
+# Writes OUT/recipe.json: the settings, each stage's wall seconds, the data's size and the tau. A
+# stage's seconds add up over every run of the recipe in OUT (kept in OUT/stage_seconds.tsv), so a
+# recipe resumed over several sittings reports what it cost in all; bench reruns whole each time,
+# so it reports its last run.
 set -euo pipefail
 OUT=${1:-runs/quick}
 MODEL=${MODEL:-smollm2-135m-instruct}
@@ -28,13 +31,18 @@ TREESPEC=${TREESPEC:-treespec}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 declare -A seconds
-stage() {  # stage NAME COMMAND...: run it and keep its wall seconds
-  local name=$1 start
+ledger=$OUT/stage_seconds.tsv
+stage() {  # stage NAME COMMAND...: run it; seconds[NAME] = its wall seconds over every run in OUT
+  local name=$1 start took before
   shift
   start=$(date +%s)
   "$@"
-  seconds[$name]=$(( $(date +%s) - start ))
-  echo "quick recipe: $name took ${seconds[$name]} s"
+  took=$(( $(date +%s) - start ))
+  before=0
+  [[ -f $ledger && $name != bench ]] && before=$(awk -F'\t' -v n="$name" '$1 == n {s += $2} END {print s + 0}' "$ledger")
+  printf '%s\t%s\n' "$name" "$took" >> "$ledger"
+  seconds[$name]=$(( before + took ))
+  echo "quick recipe: $name took $took s (${seconds[$name]} s over every run in $OUT)"
 }
 held=()
 [[ -n $BENCH_PROMPTS ]] && held=(--held-out "$BENCH_PROMPTS")
@@ -68,6 +76,7 @@ recipe = {
     "settings": {"prompts": int(sys.argv[7]), "answer_tokens": int(sys.argv[8]), "epochs": int(sys.argv[9]),
                  "ttt_steps": int(sys.argv[10])},
     "wall_s": wall | {"data_and_training": sum(wall[n] for n in names[:4]), "all": sum(wall.values())},
+    "runs": sum(line.startswith("prompts\t") for line in (out / "stage_seconds.tsv").read_text().splitlines()),
     "answer_tokens": report["answer_tokens"],
     "tau": eagle["mean_accepted_tokens"],
     "tau_per_category": {c: v["tau"] for c, v in eagle["per_category"].items()},

@@ -111,3 +111,11 @@ def test_quick_recipe_runs_every_stage_and_reports_its_tau(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads((out / "eagle" / "report.json").read_text())["steps"] == steps
+    # the second run's stage times add to the first's (bench reruns whole: its last run counts)
+    ledger = [line.split("\t") for line in (out / "stage_seconds.tsv").read_text().splitlines()]
+    again = json.loads((out / "recipe.json").read_text())
+    assert again["runs"] == 2 and recipe["runs"] == 1
+    for name in ("prompts", "answers", "features", "train", "bench"):
+        times = [float(t) for n, t in ledger if n == name]
+        assert len(times) == 2
+        assert again["wall_s"][name] == (times[-1] if name == "bench" else sum(times))

@@ -9,7 +9,8 @@ tokens (``train-heads train --data-tokens``), so a point's data holds the smalle
 A point the data cannot fill yet is skipped and said so; run the script again once the data has
 grown: finished points are kept (their run folders hold the head and the bench JSON; they were
 drawn from the data as it was then, the same prompt distribution) and an interrupted training
-resumes.
+resumes from its last checkpoint (every ``--checkpoint-every`` steps); a point's training wall time
+counts every run it took.
 
 Writes OUT/curve.json, OUT/curve.md (the table for docs/training.md) and OUT/curve.png.
 """
@@ -105,6 +106,12 @@ def main() -> None:
     parser.add_argument("--prompts", default=None, help="bench prompts (default: treespec's own)")
     parser.add_argument("--per-category", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="steps between checkpoints, so a killed point resumes near where it stopped",
+    )
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     args.kind_method = "eagle" if args.kind.startswith("eagle") else args.kind
@@ -124,7 +131,7 @@ def main() -> None:
             continue
         if not (folder / "report.json").is_file():
             config = TrainConfig(kind=args.kind, epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps,
-                                 data_tokens=point, eval_prompts=0)  # fmt: skip
+                                 data_tokens=point, eval_prompts=0, checkpoint_every=args.checkpoint_every)  # fmt: skip
             train(config, model, data, folder, resume=(folder / CHECKPOINT).is_file())
         report = json.loads((folder / "report.json").read_text())
         if not (folder / "measured.json").is_file():  # written last: a kill before it measures again

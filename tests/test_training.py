@@ -136,6 +136,7 @@ def test_resume_continues_exactly(tiny_data, tmp_path, kind):
     config = TrainConfig(kind=kind, epochs=2, batch_tokens=40, warmup_steps=2, medusa_heads=2)
     whole = train(config, model, data, tmp_path / "whole", progress=False)
     train(config, model, data, tmp_path / "cut", max_steps=3, progress=False)
+    cut_s = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["state"]["train_s"]
     resumed = train(config, model, data, tmp_path / "cut", resume=True, progress=False)
     planned = sum(len(make_batches(data.sequences(), config, epoch)) for epoch in range(config.epochs))
     assert resumed["steps"] == whole["steps"] == planned > 3  # every batch of every epoch, once
@@ -145,6 +146,8 @@ def test_resume_continues_exactly(tiny_data, tmp_path, kind):
     for name, tensor in a["module"].items():
         assert torch.equal(tensor, b["module"][name]), name
     assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
+    # the report's wall time covers both runs: the cut one's time is in its checkpoint
+    assert cut_s > 1e-3 and resumed["wall_s"] == pytest.approx(cut_s + resumed["wall_s_this_run"], abs=1e-3)
     with pytest.raises(ValueError, match="checkpoint of a 'medusa' run; this run trains 'draft'|"
                        "checkpoint of a 'eagle' run; this run trains 'draft'"):  # fmt: skip
         train(

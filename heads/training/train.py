@@ -439,6 +439,12 @@ def train(
             )
     loss_fn = LOSSES[config.kind]
     start = time.perf_counter()
+    before = state.get("train_s", 0.0)  # seconds trained by the runs this one resumes
+
+    def checkpoint() -> None:
+        state["train_s"] = before + time.perf_counter() - start
+        save_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler, state)
+
     bar = tqdm(
         total=total_steps, initial=state["step"], desc=f"train {config.kind}", disable=not progress or rank
     )
@@ -464,7 +470,7 @@ def train(
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
             if rank == 0 and config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
-                save_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler, state)
+                checkpoint()
             if max_steps is not None and state["step"] >= max_steps:
                 stopped = True
                 break
@@ -477,13 +483,16 @@ def train(
             record.update(evaluate(config, module, target, eval_prompts))
         state["history"].append(record)
         if rank == 0:
-            save_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler, state)
+            checkpoint()
             tqdm.write(json.dumps(record))
     bar.close()
     if rank == 0 and stopped:
-        save_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler, state)
+        checkpoint()
+    # wall_s: every run's training time up to its last checkpoint, then this run's to the end (a
+    # run cut between checkpoints redoes, and counts, the steps it lost)
     report = {"config": asdict(config), "steps": state["step"], "epochs_done": state["epoch"],
-              "history": state["history"], "wall_s": time.perf_counter() - start,
+              "history": state["history"], "wall_s": before + time.perf_counter() - start,
+              "wall_s_this_run": time.perf_counter() - start,
               "data_tokens": sum(len(s.tokens) for s in sequences), "data_sequences": len(sequences),
               "answer_tokens": sum(len(s.tokens) - s.prompt_len for s in sequences),
               "trainable_params": sum(p.numel() for p in trainable(module)),

@@ -119,3 +119,50 @@ def test_quick_recipe_runs_every_stage_and_reports_its_tau(tmp_path):
         times = [float(t) for n, t in ledger if n == name]
         assert len(times) == 2
         assert again["wall_s"][name] == (times[-1] if name == "bench" else sum(times))
+
+
+@pytest.mark.slow
+def test_ship_heads_trains_benches_and_ships_the_three_kinds_and_resumes(tmp_path):
+    """scripts/ship_heads.sh at its smallest, on a tiny model: the curve's largest EAGLE point,
+    Medusa and the draft, both benches, ship.json and the copies; a second run trains nothing."""
+    import os
+    import subprocess
+
+    pytest.importorskip("matplotlib")
+    from test_bench import tiny_model_folder, write_prompts
+
+    from treespec.heads.training.data import write_dataset
+
+    model = tiny_model_folder(tmp_path)
+    write_dataset(model, [list(range(5, 12)), [20, 21, 22], list(range(30, 45)), [7, 8]], tmp_path / "data",
+                  feature_layers=(0, 1, 1), max_new_tokens=12, batch_size=4, progress=False)  # fmt: skip
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"category": "a", "prompt": "w1 w2 w3"},
+                                                   {"category": "b", "prompt": "w9 w40 w77"}])  # fmt: skip
+    env = os.environ | {
+        "TREESPEC": str(Path(sys.executable).parent / "treespec"), "PYTHON": sys.executable,
+        "MODEL": str(tmp_path / "model"), "TOKENS": "30", "CURVE": str(tmp_path / "curve"), "CURVE_POINTS": "10",
+        "EAGLE_EPOCHS": "1", "DRAFT_LAYERS": "1", "PER_CATEGORY": "1", "BENCH_PROMPTS": prompts,
+        "BENCH_ARGS": "--max-new-tokens 4 --warmup 0", "SHIP": str(tmp_path / "shipped"),
+    }  # fmt: skip
+    command = [str(SCRIPTS / "ship_heads.sh"), str(tmp_path / "data"), str(tmp_path / "out")]
+    run = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "ship.json").read_text())
+    for kind in ("eagle", "medusa", "draft"):
+        assert summary[f"{kind} T=0"]["tau"] >= 1 and summary[f"{kind} T=0"]["identical_to_reference"] == 1.0
+        assert summary[kind]["answer_tokens"] >= 30 and summary[kind]["steps"] >= 1
+        shipped = tmp_path / "shipped" / f"model-{kind}"
+        assert (shipped / "config.json").is_file() and (shipped / "model.safetensors").is_file()
+    assert "hf-assisted T=0" in summary and summary["eagle T=1"]["tau"] >= 1
+    assert (tmp_path / "curve" / "eagle-10" / "report.json").is_file()  # the curve's smaller point too
+    stamps = {
+        k: (tmp_path / "out" / k / "head" / "model.safetensors").stat().st_mtime_ns
+        for k in ("medusa", "draft")
+    }
+    run = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for kind, stamp in stamps.items():
+        assert (tmp_path / "out" / kind / "head" / "model.safetensors").stat().st_mtime_ns == stamp
+    # a data folder smaller than TOKENS ends with a clear error, not a half-shipped set
+    run = subprocess.run(command, env=env | {"TOKENS": "100000"}, capture_output=True, text=True)
+    assert run.returncode == 1 and "fewer than 100000 answer tokens" in run.stderr

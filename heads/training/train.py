@@ -490,9 +490,9 @@ def train(
         checkpoint()
     # wall_s: every run's training time up to its last checkpoint, then this run's to the end (a
     # run cut between checkpoints redoes, and counts, the steps it lost)
+    this_run = time.perf_counter() - start
     report = {"config": asdict(config), "steps": state["step"], "epochs_done": state["epoch"],
-              "history": state["history"], "wall_s": before + time.perf_counter() - start,
-              "wall_s_this_run": time.perf_counter() - start,
+              "history": state["history"], "wall_s": before + this_run, "wall_s_this_run": this_run,
               "data_tokens": sum(len(s.tokens) for s in sequences), "data_sequences": len(sequences),
               "answer_tokens": sum(len(s.tokens) - s.prompt_len for s in sequences),
               "trainable_params": sum(p.numel() for p in trainable(module)),

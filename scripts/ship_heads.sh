@@ -7,8 +7,9 @@
 #
 #   1. EAGLE: the learning curve's largest point (scripts/learning_curve.py, in CURVE), so the
 #      shipped EAGLE head is the curve's last point; no training-time test, EAGLE_EPOCHS epochs;
-#   2. Medusa (soft targets, MEDUSA_EPOCHS epochs) and the draft (DRAFT_LAYERS layers initialised
-#      from the target, DRAFT_EPOCHS epochs), each on the same TOKENS answer tokens;
+#   2. Medusa (soft targets, MEDUSA_EPOCHS epochs: one pass over 1M tokens already takes 2.3x the
+#      steps of the 200k comparison's two) and the draft (DRAFT_LAYERS layers initialised from the
+#      target, DRAFT_EPOCHS epochs), each on the same TOKENS answer tokens;
 #   3. bench: the three at T=0 with a fixed 31-node tree beside HF generate and HF assisted
 #      generation with the new draft (OUT/bench_t0.json), then EAGLE at T=1 (OUT/bench_t1.json);
 #      on BENCH_PROMPTS (default: the Spec-Bench file in ../shared, which the data run held out);
@@ -21,7 +22,7 @@ TOKENS=${TOKENS:-1000000}
 CURVE=${CURVE:-runs/curve-ttt1-4ep}
 CURVE_POINTS=${CURVE_POINTS:-50000,200000}   # the curve's smaller points, kept or trained first
 EAGLE_EPOCHS=${EAGLE_EPOCHS:-4}
-MEDUSA_EPOCHS=${MEDUSA_EPOCHS:-2}
+MEDUSA_EPOCHS=${MEDUSA_EPOCHS:-1}
 DRAFT_LAYERS=${DRAFT_LAYERS:-4}
 DRAFT_EPOCHS=${DRAFT_EPOCHS:-1}
 PER_CATEGORY=${PER_CATEGORY:-4}

@@ -21,6 +21,20 @@ def run_script(name: str, argv: list[str], monkeypatch) -> None:
     module.main()
 
 
+def tiny_model_data_and_prompts(tmp_path: Path) -> str:
+    """A tiny model in tmp_path/model, its head data (48 answer tokens) in tmp_path/data, and two
+    bench prompts in two categories; returns the prompts file."""
+    from test_bench import tiny_model_folder, write_prompts
+
+    from treespec.heads.training.data import write_dataset
+
+    model = tiny_model_folder(tmp_path)
+    write_dataset(model, [list(range(5, 12)), [20, 21, 22], list(range(30, 45)), [7, 8]], tmp_path / "data",
+                  feature_layers=(0, 1, 1), max_new_tokens=12, batch_size=4, progress=False)  # fmt: skip
+    return write_prompts(tmp_path / "p.jsonl", [{"category": "a", "prompt": "w1 w2 w3"},
+                                                {"category": "b", "prompt": "w9 w40 w77"}])  # fmt: skip
+
+
 @pytest.mark.slow
 def test_profile_step_groups_the_time_of_each_forward(tmp_path, monkeypatch, capsys):
     out = tmp_path / "profile.json"
@@ -45,15 +59,7 @@ def test_learning_curve_trains_nested_points_measures_them_and_skips_what_the_da
     tmp_path, monkeypatch
 ):
     pytest.importorskip("matplotlib")
-    from test_bench import tiny_model_folder, write_prompts
-
-    from treespec.heads.training.data import write_dataset
-
-    model = tiny_model_folder(tmp_path)
-    write_dataset(model, [list(range(5, 12)), [20, 21, 22], list(range(30, 45)), [7, 8]], tmp_path / "data",
-                  feature_layers=(0, 1, 1), max_new_tokens=12, batch_size=4, progress=False)  # fmt: skip
-    prompts = write_prompts(tmp_path / "p.jsonl", [{"category": "a", "prompt": "w1 w2 w3"},
-                                                   {"category": "b", "prompt": "w9 w40 w77"}])  # fmt: skip
+    prompts = tiny_model_data_and_prompts(tmp_path)
     argv = ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "curve"),
             "--points", "10,30,100000", "--epochs", "1", "--prompts", prompts, "--per-category", "1",
             "--new-tokens", "4"]  # fmt: skip
@@ -129,15 +135,7 @@ def test_ship_heads_trains_benches_and_ships_the_three_kinds_and_resumes(tmp_pat
     import subprocess
 
     pytest.importorskip("matplotlib")
-    from test_bench import tiny_model_folder, write_prompts
-
-    from treespec.heads.training.data import write_dataset
-
-    model = tiny_model_folder(tmp_path)
-    write_dataset(model, [list(range(5, 12)), [20, 21, 22], list(range(30, 45)), [7, 8]], tmp_path / "data",
-                  feature_layers=(0, 1, 1), max_new_tokens=12, batch_size=4, progress=False)  # fmt: skip
-    prompts = write_prompts(tmp_path / "p.jsonl", [{"category": "a", "prompt": "w1 w2 w3"},
-                                                   {"category": "b", "prompt": "w9 w40 w77"}])  # fmt: skip
+    prompts = tiny_model_data_and_prompts(tmp_path)
     env = os.environ | {
         "TREESPEC": str(Path(sys.executable).parent / "treespec"), "PYTHON": sys.executable,
         "MODEL": str(tmp_path / "model"), "TOKENS": "30", "CURVE": str(tmp_path / "curve"), "CURVE_POINTS": "10",

@@ -53,16 +53,17 @@ train medusa --epochs "$MEDUSA_EPOCHS"
 train draft --epochs "$DRAFT_EPOCHS" --draft-layers "$DRAFT_LAYERS"
 
 heads=(--heads "eagle=$eagle" --heads "medusa=$OUT/medusa/head" --heads "draft=$OUT/draft/head")
-# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-[[ -f $OUT/bench_t0.json ]] || $TREESPEC bench --model "$MODEL" --proposer eagle,medusa,draft \
-  --baselines hf,hf-assisted --budget fixed --per-category "$PER_CATEGORY" "${heads[@]}" \
-  --json "$OUT/bench_t0.json.part" --no-plot "${bench_prompts[@]}" $BENCH_ARGS
-[[ -f $OUT/bench_t0.json ]] || mv "$OUT/bench_t0.json.part" "$OUT/bench_t0.json"
-# shellcheck disable=SC2086
-[[ -f $OUT/bench_t1.json ]] || $TREESPEC bench --model "$MODEL" --proposer eagle --baselines hf --budget fixed \
-  --temperature 1 --per-category "$PER_CATEGORY" "${heads[@]}" --json "$OUT/bench_t1.json.part" --no-plot \
-  "${bench_prompts[@]}" $BENCH_ARGS
-[[ -f $OUT/bench_t1.json ]] || mv "$OUT/bench_t1.json.part" "$OUT/bench_t1.json"
+bench() {  # bench NAME FLAGS...: OUT/NAME, written whole (under .part until done), skipped once there
+  local name=$1
+  shift
+  [[ -f $OUT/$name ]] && return
+  # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+  $TREESPEC bench --model "$MODEL" --budget fixed --per-category "$PER_CATEGORY" "${heads[@]}" --no-plot \
+    --json "$OUT/$name.part" "${bench_prompts[@]}" "$@" $BENCH_ARGS
+  mv "$OUT/$name.part" "$OUT/$name"
+}
+bench bench_t0.json --proposer eagle,medusa,draft --baselines hf,hf-assisted
+bench bench_t1.json --proposer eagle --baselines hf --temperature 1
 
 $PYTHON - "$OUT" "$eagle" <<'EOF'
 import json, sys
@@ -76,7 +77,7 @@ for temperature, name in ((0, "bench_t0.json"), (1, "bench_t1.json")):
     for m in json.loads((out / name).read_text())["methods"]:
         summary[f"{m['name']} T={temperature}"] = {
             "tau": m["mean_accepted_tokens"],
-            "tau_per_category": {c: v["tau"] for c, v in m.get("per_category", {}).items() if "tau" in v},
+            "tau_per_category": {c: v["tau"] for c, v in m["per_category"].items()},
             "identical_to_reference": m.get("identical_to_reference"),
         }
 for kind, path in reports.items():

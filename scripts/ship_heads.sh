@@ -13,7 +13,9 @@
 #   3. bench: the three at T=0 with a fixed 31-node tree beside HF generate and HF assisted
 #      generation with the new draft (OUT/bench_t0.json), then EAGLE at T=1 (OUT/bench_t1.json);
 #      on BENCH_PROMPTS (default: the Spec-Bench file in ../shared, which the data run held out);
-#   4. with SHIP=FOLDER (e.g. heads/shipped): copy the heads to FOLDER/MODEL-KIND (MODEL's base name).
+#   4. OUT/ship.json (tau and acceptance by depth per method, training per kind) and OUT/ship.md
+#      (the same as docs/training.md's tables);
+#   5. with SHIP=FOLDER (e.g. heads/shipped): copy the heads to FOLDER/MODEL-KIND (MODEL's base name).
 set -euo pipefail
 DATA=${1:-runs/data}
 OUT=${2:-runs/shipped}
@@ -69,26 +71,50 @@ $PYTHON - "$OUT" "$eagle" <<'EOF'
 import json, sys
 from pathlib import Path
 
+from treespec.heads.training.train import acceptance_by_depth
+
 out, eagle = Path(sys.argv[1]), Path(sys.argv[2])
 reports = {"eagle": eagle.parent / "report.json", "medusa": out / "medusa" / "report.json",
            "draft": out / "draft" / "report.json"}
-summary = {}
+summary, rows = {}, []
 for temperature, name in ((0, "bench_t0.json"), (1, "bench_t1.json")):
     for m in json.loads((out / name).read_text())["methods"]:
-        summary[f"{m['name']} T={temperature}"] = {
+        histogram = m.get("accepted_length_histogram", {})  # treespec methods only
+        lengths = [int(n) for n, count in histogram.items() for _ in range(count)]
+        entry = summary[f"{m['name']} T={temperature}"] = {
             "tau": m["mean_accepted_tokens"],
             "tau_per_category": {c: v["tau"] for c, v in m["per_category"].items()},
+            "acceptance_by_depth": acceptance_by_depth(lengths),
             "identical_to_reference": m.get("identical_to_reference"),
         }
+        if m["name"] != "none":
+            rows.append((m["name"], temperature, entry))
 for kind, path in reports.items():
     report = json.loads(path.read_text())
     summary[kind] = {"answer_tokens": report["answer_tokens"], "positions": report["data_tokens"],
-                     "steps": report["steps"], "wall_s": report["wall_s"],
-                     "loss_per_epoch": [h["mean_loss"] for h in report["history"]]}
+                     "trainable_params": report["trainable_params"], "steps": report["steps"],
+                     "wall_s": report["wall_s"], "loss_per_epoch": [h["mean_loss"] for h in report["history"]]}
 (out / "ship.json").write_text(json.dumps(summary, indent=1))
-for key, value in summary.items():
-    if "tau" in value:
-        print(f"ship_heads: {key}: tau {value['tau']:.2f}")
+
+# ship.md: the two tables of docs/training.md's "Shipped heads"
+categories = list(rows[0][2]["tau_per_category"])
+lines = ["| method | T | tau | " + " | ".join(categories) + " | acceptance by depth (1..5) | identical |",
+         "|---" * (5 + len(categories)) + "|"]
+for name, temperature, e in rows:
+    depth = ", ".join(f"{a:.2f}" for a in e["acceptance_by_depth"][:5]) or "-"
+    same = "-" if e["identical_to_reference"] is None else f"{e['identical_to_reference']:.0%}"
+    lines.append(f"| {name} | {temperature} | **{e['tau']:.2f}** | "
+                 + " | ".join(f"{e['tau_per_category'][c]:.2f}" for c in categories) + f" | {depth} | {same} |")
+lines += ["", "| kind | trainable params | answer tokens | positions | steps | training wall time | loss per epoch |",
+          "|---" * 7 + "|"]
+for kind in reports:
+    k = summary[kind]
+    lines.append(f"| {kind} | {k['trainable_params'] / 1e6:.1f} M | {k['answer_tokens']:,} | {k['positions']:,} | "
+                 f"{k['steps']:,} | {k['wall_s'] / 60:.1f} min | "
+                 + ", ".join(f"{x:.3f}" for x in k["loss_per_epoch"]) + " |")
+(out / "ship.md").write_text("\n".join(lines) + "\n")
+for name, temperature, e in rows:
+    print(f"ship_heads: {name} T={temperature}: tau {e['tau']:.2f}")
 EOF
 
 if [[ -n $SHIP ]]; then

@@ -152,6 +152,9 @@ def test_ship_heads_trains_benches_and_ships_the_three_kinds_and_resumes(tmp_pat
         shipped = tmp_path / "shipped" / f"model-{kind}"
         assert (shipped / "config.json").is_file() and (shipped / "model.safetensors").is_file()
     assert "hf-assisted T=0" in summary and summary["eagle T=1"]["tau"] >= 1
+    assert summary["eagle T=0"]["acceptance_by_depth"] and summary["medusa"]["trainable_params"] > 0
+    table = (tmp_path / "out" / "ship.md").read_text()
+    assert "| eagle | 1 | **" in table and "| draft | " in table  # one row per method, one per kind
     assert (tmp_path / "curve" / "eagle-10" / "report.json").is_file()  # the curve's smaller point too
     stamps = {
         k: (tmp_path / "out" / k / "head" / "model.safetensors").stat().st_mtime_ns

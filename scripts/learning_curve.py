@@ -26,11 +26,13 @@ import torch
 from treespec import models
 from treespec.benchmark import BenchConfig, run
 from treespec.heads.training.data import HeadDataset
-from treespec.heads.training.train import CHECKPOINT, TrainConfig, acceptance_by_depth, train
-
-
-def expand_histogram(histogram: dict) -> list[int]:
-    return [int(length) for length, count in histogram.items() for _ in range(count)]
+from treespec.heads.training.train import (
+    CHECKPOINT,
+    TrainConfig,
+    acceptance_by_depth,
+    expand_histogram,
+    train,
+)
 
 
 def measure(head: Path, args: argparse.Namespace, json_path: Path) -> dict:

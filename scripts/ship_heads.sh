@@ -71,7 +71,7 @@ $PYTHON - "$OUT" "$eagle" <<'EOF'
 import json, sys
 from pathlib import Path
 
-from treespec.heads.training.train import acceptance_by_depth
+from treespec.heads.training.train import acceptance_by_depth, expand_histogram
 
 out, eagle = Path(sys.argv[1]), Path(sys.argv[2])
 reports = {"eagle": eagle.parent / "report.json", "medusa": out / "medusa" / "report.json",
@@ -79,8 +79,7 @@ reports = {"eagle": eagle.parent / "report.json", "medusa": out / "medusa" / "re
 summary, rows = {}, []
 for temperature, name in ((0, "bench_t0.json"), (1, "bench_t1.json")):
     for m in json.loads((out / name).read_text())["methods"]:
-        histogram = m.get("accepted_length_histogram", {})  # treespec methods only
-        lengths = [int(n) for n, count in histogram.items() for _ in range(count)]
+        lengths = expand_histogram(m.get("accepted_length_histogram", {}))  # treespec methods only
         entry = summary[f"{m['name']} T={temperature}"] = {
             "tau": m["mean_accepted_tokens"],
             "tau_per_category": {c: v["tau"] for c, v in m["per_category"].items()},

@@ -384,7 +384,9 @@ def test_training_time_test_feeds_each_depth_what_inference_feeds_it():
 
 
 def test_acceptance_by_depth_from_committed_lengths():
-    from treespec.heads.training.train import acceptance_by_depth
+    from treespec.heads.training.train import acceptance_by_depth, expand_histogram
 
     assert acceptance_by_depth([1, 2, 3, 3]) == [0.75, 2 / 3]
     assert acceptance_by_depth([1, 1]) == [0.0]
+    # the bench's histogram, as read back from JSON (string keys)
+    assert sorted(expand_histogram({"1": 1, "3": 2, "2": 1})) == [1, 2, 3, 3]

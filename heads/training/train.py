@@ -539,6 +539,12 @@ def evaluate(
     return {"tau": sum(lengths) / max(len(lengths), 1), "acceptance_by_depth": acceptance_by_depth(lengths)}
 
 
+def expand_histogram(histogram: dict) -> list[int]:
+    """``treespec bench``'s ``accepted_length_histogram`` ({length: count}, keys maybe strings
+    after JSON) back to the list of tokens committed per step that :func:`acceptance_by_depth` reads."""
+    return [int(length) for length, count in histogram.items() for _ in range(count)]
+
+
 def acceptance_by_depth(lengths: list[int]) -> list[float]:
     """From the tokens committed per step (accepted drafts + 1): entry d is the share of steps
     whose depth-(d+1) draft was accepted among those that accepted depth d (depth 0: always)."""

@@ -177,8 +177,9 @@ def test_batch_invariant_mode_is_on_where_it_can_be_and_refused_with_a_reason():
 def test_bf16_speculation_gives_the_autoregressive_tokens_when_batch_invariant():
     """The target drafts for itself (every step scores a 6-node tree and accepts most of it), and
     n-grams, in bf16, three prompts in one batch: with batch invariance the tokens are the
-    autoregressive run's, token for token. With fp32-kmajor layers for the trees (and PyTorch's
-    kernel for single rows), this model's draft run departs from its autoregressive one."""
+    autoregressive run's, token for token. (Without batch invariance the trees' logits differ in
+    their last bits, the next test shows; whether that flips a token of this run is a matter of
+    near-ties, so it is not asserted: on an AVX2 CPU it did, on an AVX-512 one it does not.)"""
     model = build("llama", seed=4, hidden_size=256, intermediate_size=1024).to(torch.bfloat16)
     prompts = [[5, 9, 2, 7, 7, 3], [11, 12, 13, 11, 12, 13, 11], [40, 41, 42, 43] * 3]
 
@@ -198,8 +199,6 @@ def test_bf16_speculation_gives_the_autoregressive_tokens_when_batch_invariant()
     assert (target.attention_backend, target.linear_backend) == ("cpu", "bf16-kernel")
     plain, drafted, ngram = runs(target)
     assert drafted == plain and ngram == plain
-    plain, drafted, _ = runs(Target(model, linear_backend="fp32-kmajor"))
-    assert drafted != plain
 
 
 def tree_and_paths_logits(target: Target) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -237,8 +236,8 @@ def tree_and_paths_logits(target: Target) -> tuple[torch.Tensor, dict[int, torch
 def test_batch_invariant_tree_logits_equal_the_autoregressive_steps_bit_for_bit():
     """Every node's logits from one tree forward equal those of the autoregressive steps over its
     path, bit for bit, in bf16; with fp32-kmajor layers for several rows they differ (the
-    summation orders do)."""
-    model = build("llama", seed=4, hidden_size=256, intermediate_size=1024).to(torch.bfloat16)
+    summation orders do at a hidden size of 512; at 256 an AVX-512 CPU sums both in one order)."""
+    model = build("llama", seed=4, hidden_size=512, intermediate_size=2048).to(torch.bfloat16)
     scored, alone = tree_and_paths_logits(Target(model, batch_invariant=True))
     for node, logits in alone.items():
         assert torch.equal(scored[node], logits), node

@@ -2,7 +2,7 @@
 prompts, chat template applied) prefill together, then decode ``--new`` tokens each.
 
     python scripts/bench_batch_decode.py [--batch 64] [--dtype bf16] [--new 40]
-    python scripts/bench_batch_decode.py --temperature 1 --top-p 0.95     # the Magpie stage's sampling
+    python scripts/bench_batch_decode.py --temperature 1 --top-p 0.95 --sampler inverse-cdf  # Magpie's
 
 Prints the prefill rate and the median decode step (tokens per second at that batch).
 """
@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=40)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--sampler", choices=["hf", "inverse-cdf"], default="hf",
+                        help="the engine's sampler (the data stages use inverse-cdf)")  # fmt: skip
     args = parser.parse_args()
     sampling = SamplingParams(args.temperature, None, args.top_p)
     model, tokenizer = models.load(
@@ -39,7 +41,7 @@ def main() -> None:
     target = Target(model)
     prompts = [chat_ids(tokenizer, [{"role": "user", "content": p}]) for p in train_prompts()[: args.batch]]
     engine = Engine(target, max_batch_size=args.batch, max_len=max(map(len, prompts)) + args.new,
-                    generator=torch.Generator().manual_seed(0))  # fmt: skip
+                    generator=torch.Generator().manual_seed(0), sampler=args.sampler)  # fmt: skip
     for prompt in prompts:
         engine.add_request(prompt, max_new_tokens=args.new, eos_token_id=[], sampling=sampling)
     times = []
@@ -49,7 +51,7 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     prefill = sum(map(len, prompts))
     step = statistics.median(times[1:])
-    print(f"{args.dtype} batch {args.batch}, {sampling}, linear {target.linear_backend}: prefill {prefill} tokens in "
+    print(f"{args.dtype} batch {args.batch}, {sampling}, sampler {args.sampler}, linear {target.linear_backend}: prefill {prefill} tokens in "
           f"{times[0]:.1f} s ({prefill / times[0]:.0f} tokens/s); decode step {1e3 * step:.0f} ms "
           f"({args.batch / step:.0f} tokens/s)")  # fmt: skip
 

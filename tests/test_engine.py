@@ -191,3 +191,65 @@ def test_typical_acceptance_is_reachable_from_sampling_params():
     assert len(engine.pop(rid).output) == 13
     with pytest.raises(ValueError, match="typical_acceptance"):
         SamplingParams(temperature=1.0, typical_acceptance=(0.0, 0.3))
+
+
+# --------------------------------------------------------------------------- pinned prefixes
+
+
+def _drain(engine: Engine, prompts, max_new_tokens=5, sampling=None) -> list[list[int]]:
+    ids = [engine.add_request(p, max_new_tokens=max_new_tokens, sampling=sampling) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.pop(i).output for i in ids]
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize("proposer", [None, "ngram"])
+def test_a_pinned_prefix_changes_no_output(family, chunk, proposer):
+    """Prompts equal to the pinned prefix, longer, sharing part of it or none of it: the same
+    tokens as without it, and only the shared part (never a prompt's last token) is copied."""
+    model = build(family)
+    prefix = [5, 9, 2, 7, 7, 1, 3, 8]
+    prompts = [prefix, prefix + [4, 6], prefix[:5] + [11, 12], [13, 14, 15], prefix[:1]]
+
+    def run(pin: bool) -> tuple[list[list[int]], Engine]:
+        engine = Engine(Target(model), max_batch_size=3, max_len=32, prefill_chunk_size=chunk,
+                        proposer=NgramProposer(max_depth=2) if proposer else None)  # fmt: skip
+        if pin:
+            engine.pin_prefix(prefix)
+        return _drain(engine, prompts), engine
+
+    plain, _ = run(False)
+    pinned, engine = run(True)
+    assert pinned == plain
+    assert plain == [hf_greedy(model, p, 5) for p in prompts]
+    assert engine.stats.reused_prompt_tokens == 7 + 8 + 5 + 0 + 0
+    assert engine.cache.num_free == engine.cache.num_slots  # the pinning slot went back
+
+
+def test_a_pinned_prefix_keeps_seeded_sampling():
+    model = build("llama")
+    prefix = [5, 9, 2, 7]
+    seeded = SamplingParams(temperature=1.0, seed=4)
+    plain = _drain(Engine(Target(model), max_len=32), [prefix + [1], prefix], 6, seeded)
+    engine = Engine(Target(model), max_len=32)
+    engine.pin_prefix(prefix)
+    assert _drain(engine, [prefix + [1], prefix], 6, seeded) == plain
+
+
+def test_pinning_a_prefix_is_refused_clearly():
+    model = build("llama")
+    eagle = Engine(
+        Target(model), proposer=EagleProposer(random_head(model), model, top_k=2, depth=2, total_tokens=3)
+    )
+    with pytest.raises(ValueError, match="reads no target hidden states: EagleProposer"):
+        eagle.pin_prefix([1, 2, 3])
+    full = Engine(Target(model), max_batch_size=1, max_len=32)
+    full.add_request([1, 2], max_new_tokens=3)
+    full.step()
+    with pytest.raises(ValueError, match="needs a free cache slot"):
+        full.pin_prefix([1, 2, 3])
+    with pytest.raises(ValueError, match="exceeds the cache length 32"):
+        Engine(Target(model), max_len=32).pin_prefix(list(range(40)))
+    with pytest.raises(ValueError, match="empty prompt"):
+        Engine(Target(model), max_len=32).pin_prefix([])

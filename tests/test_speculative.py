@@ -203,6 +203,66 @@ def test_end_to_end_sampling_is_lossless(shape, sample, readout):
 # --------------------------------------------------------------------------- long runs
 
 
+def _engine_run(target, prompts, sampling, sampler, new=2, generator_seed=6):
+    engine = Engine(Target(target), max_batch_size=len(prompts), max_len=16, sampler=sampler,
+                    generator=torch.Generator().manual_seed(generator_seed))  # fmt: skip
+    ids = [engine.add_request(p, max_new_tokens=new, sampling=sampling) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.pop(i).output for i in ids]
+
+
+@pytest.mark.parametrize("top_p", [None, 0.8])
+def test_the_inverse_cdf_sampler_draws_the_target_distribution(top_p):
+    """Plain decoding with one uniform per row: tokens 1 and 2 of many identical prompts follow
+    the target's distribution after the warpers (chi-square over 64 cells, p = 1e-4)."""
+    vocab, draws, prompt = 8, 4000, [1, 2, 3]
+    target, _ = tiny_pair(vocab)
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    out = _engine_run(target, [prompt] * draws, params, "inverse-cdf")
+    pairs = torch.tensor(out)
+    counts = torch.bincount(pairs[:, 0] * vocab + pairs[:, 1], minlength=vocab * vocab).double()
+    with torch.no_grad():
+        p1 = treespec.sampling.logits_to_probs(target(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        rows = target(torch.tensor([prompt + [a] for a in range(vocab)])).logits[:, -1]
+        p2 = treespec.sampling.logits_to_probs(rows, params)  # [V(t1), V(t2)]
+    expected = (p1.double()[:, None] * p2.double()).reshape(-1) * draws
+    stat, critical = chi2(counts, expected)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
+    if top_p is not None:  # the nucleus cut really dropped tokens, and none was drawn
+        assert (expected == 0).any() and (counts[expected == 0] == 0).all()
+
+
+def test_the_inverse_cdf_sampler_keeps_each_seeded_stream_apart():
+    """A request with a seed draws the same tokens alone or among others; unseeded rows share the
+    engine's stream in row order, so the same batch gives the same tokens twice."""
+    target, _ = tiny_pair(8)
+    seeded = SamplingParams(temperature=1.0, seed=3)
+    alone = _engine_run(target, [[1, 2, 3]], seeded, "inverse-cdf", new=6)
+    engine = Engine(Target(target), max_batch_size=5, max_len=16, sampler="inverse-cdf",
+                    generator=torch.Generator().manual_seed(0))  # fmt: skip
+    ids = [engine.add_request([4, 5], max_new_tokens=6, sampling=SamplingParams(temperature=1.0))
+           for _ in range(4)]  # fmt: skip
+    mine = engine.add_request([1, 2, 3], max_new_tokens=6, sampling=seeded)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pop(mine).output == alone[0]
+    others = [engine.pop(i).output for i in ids]
+    again = _engine_run(target, [[4, 5]] * 4, SamplingParams(temperature=1.0), "inverse-cdf", 6, 0)
+    assert others == again
+
+
+def test_an_unknown_sampler_is_named():
+    target, _ = tiny_pair(8)
+    with pytest.raises(ValueError, match="sampler must be 'hf' or 'inverse-cdf', got 'gumbel'"):
+        Engine(Target(target), sampler="gumbel")
+    with pytest.raises(ValueError, match="sampler must be"):
+        treespec.generate(target, [[1, 2]], max_new_tokens=2, temperature=1.0, sampler="gumbel")
+    out = treespec.generate(target, [[1, 2]] * 3, max_new_tokens=3, temperature=1.0, sampler="inverse-cdf",
+                            generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert [len(s) for s in out.sequences] == [3, 3, 3]
+
+
 def rss_bytes() -> int:
     with open(f"/proc/{os.getpid()}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

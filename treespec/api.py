@@ -138,6 +138,7 @@ def generate(
     sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     stop_strings: str | Sequence[str] | None = None,
     tokenizer=None,
+    sampler: str = "hf",
     **processors,
 ) -> GenerationOutput:
     """Generate from the target for a batch of prompts of different lengths.
@@ -160,6 +161,10 @@ def generate(
     this model (``treespec.auto``). The output is the target's either way.
     ``max_batch_size`` requests decode at once (default: all prompts, at most
     ``DEFAULT_MAX_BATCH``, and never more than the proposer holds); the others wait for a slot.
+    ``sampler="inverse-cdf"`` samples the tokens that no tree verifies (plain decoding, each
+    prompt's first token) from one uniform per row, the whole batch at once: the same
+    distribution, the decode step at batch 64 about a fifth cheaper, but not the draws of HF's ``generate``
+    that the default ``"hf"`` reproduces (``Engine``).
     """
     target = target if isinstance(target, Target) else Target(target)
     prompts = as_prompts(input_ids, attention_mask)
@@ -190,6 +195,7 @@ def generate(
         prefill_chunk_size=prefill_chunk_size,
         generator=generator,
         proposer=proposer,
+        sampler=sampler,
     )
     ids = [
         engine.add_request(p, max_new_tokens=max_new_tokens, eos_token_id=eos, sampling=params, stop=stop)

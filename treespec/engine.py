@@ -20,7 +20,7 @@ import torch
 
 from treespec.processors import RowContexts, process, tree_paths
 from treespec.proposers.base import ProposalRequest, Proposer, RequestResult, StepResult
-from treespec.sampling import SamplingParams, next_tokens
+from treespec.sampling import SamplingParams, logits_to_probs, next_tokens, sample_from_uniforms
 from treespec.target import Target
 from treespec.tree import TokenTree, chain_mask
 from treespec.verify import MEDUSA_TYPICAL, verify
@@ -74,6 +74,7 @@ class EngineStats:
 
     steps: int = 0
     prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0  # prompt tokens whose K/V came from a pinned prefix, not a forward
     new_tokens: int = 0
     propose_s: float = 0.0  # time the proposer took
     forward_s: float = 0.0  # scoring: target forwards (includes the host syncs they end with)
@@ -104,9 +105,16 @@ class Engine:
         generator: torch.Generator | None = None,
         proposer: Proposer | None = None,
         debug: bool | None = None,
+        sampler: str = "hf",
     ) -> None:
         """``max_batch_size`` requests run at once (fewer if the proposer holds fewer: its
         ``max_batch_size``); the rest wait. ``generator`` must live on the target's device.
+        ``sampler`` is how a token is sampled outside tree verification (a prompt's first token,
+        every token of plain decoding): ``"hf"`` calls ``torch.multinomial`` row by row, the
+        draws HF's ``generate`` makes for one prompt with the same seed; ``"inverse-cdf"`` draws
+        one uniform per row and samples the same distribution for the whole batch at once, at a
+        fraction of the cost (``multinomial`` draws an exponential per vocabulary entry). Tree
+        verification has its own rule either way.
         ``debug`` (default: the environment variable ``TREESPEC_DEBUG=1``) runs the full,
         host-side check of every proposed tree and of verification's inputs each step; without
         it a step runs one cheap tensor check of what a proposer returned."""
@@ -125,6 +133,8 @@ class Engine:
                 f"the draft's vocabulary ({proposer.vocab_size} tokens) differs from the target's "
                 f"({target.vocab_size}); a draft model must share the target's tokenizer"
             )
+        if sampler not in ("hf", "inverse-cdf"):
+            raise ValueError(f"sampler must be 'hf' or 'inverse-cdf', got {sampler!r}")
         if generator is not None and generator.device.type != target.device.type:
             raise ValueError(
                 f"the generator is on {generator.device} but the model on {target.device}: every step "
@@ -145,12 +155,67 @@ class Engine:
         self.cache = target.new_cache(self.max_running, max_len + self.max_tree_nodes)
         self.prefill_chunk_size = prefill_chunk_size
         self.generator = generator
+        self.sampler = sampler
         self.debug = os.environ.get("TREESPEC_DEBUG") == "1" if debug is None else debug
         self.stats = EngineStats()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._requests: dict[int, Request] = {}
         self._next_id = 0
+        self._pinned: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # tokens, keys, values
+
+    def pin_prefix(self, tokens: Sequence[int]) -> None:
+        """Compute the K/V of ``tokens`` once (a shared system prompt, a chat template's
+        opening) and keep it: from then on a request whose prompt starts with some of these tokens
+        copies their K/V into its slot instead of prefilling them (at least its last prompt token
+        is still scored, for the logits of its first new token). Outputs do not change: a token's
+        K/V depends only on the tokens before it (exactly so with the batch-invariant kernels).
+        Needs a free slot now, and a proposer that reads no target hidden states: a head must see
+        every prompt position's hidden state, which a copied prefix does not compute."""
+        tokens = self._check_prompt(tokens)
+        if self.wants_hidden:
+            raise ValueError(
+                "pin_prefix needs a proposer that reads no target hidden states: "
+                f"{type(self.proposer).__name__} learns from every prompt position's hidden state"
+            )
+        if len(tokens) > self.max_len:
+            raise ValueError(
+                f"a pinned prefix of {len(tokens)} tokens exceeds the cache length {self.max_len}"
+            )
+        if not self.cache.num_free:
+            raise ValueError(
+                "pin_prefix needs a free cache slot: pin before adding requests, or wait for one to end"
+            )
+        slot = self.cache.allocate()
+        try:
+            self.target.forward(
+                torch.tensor(tokens), self.cache, torch.tensor([0, len(tokens)]), torch.tensor([slot]),
+                logit_rows=torch.tensor([len(tokens) - 1]), return_hidden=False,
+            )  # fmt: skip
+            n = len(tokens)
+            self._pinned.append(
+                (tokens, self.cache.keys[:, slot, :, :n].clone(), self.cache.values[:, slot, :, :n].clone())
+            )
+        finally:
+            self.cache.free(slot)
+
+    def _reuse_pinned(self, request: Request) -> None:
+        """Copy the longest pinned prefix the prompt starts with (all but its last token at most)."""
+        best, best_len = None, 0
+        for pinned in self._pinned:
+            n = 0
+            limit = min(len(pinned[0]), len(request.prompt) - 1)
+            while n < limit and pinned[0][n] == request.prompt[n]:
+                n += 1
+            if n > best_len:
+                best, best_len = pinned, n
+        if best is None:
+            return
+        self.cache.keys[:, request.slot, :, :best_len] = best[1][:, :, :best_len]
+        self.cache.values[:, request.slot, :, :best_len] = best[2][:, :, :best_len]
+        self.cache.lengths[request.slot] = best_len
+        request.num_prefilled = best_len
+        self.stats.reused_prompt_tokens += best_len
 
     def add_request(
         self,
@@ -291,6 +356,8 @@ class Engine:
             request.slot = self.cache.allocate()
             self._running.append(request)
             self.stats.prompt_tokens += len(request.prompt)
+            if self._pinned:
+                self._reuse_pinned(request)
 
     def _propose(self, decoding: list[Request]) -> TokenTree | None:
         """One tree per decoding request (checked), on the model's device; None without
@@ -392,10 +459,30 @@ class Engine:
         """One token per request from its logits row, greedy or sampled as HF samples."""
         if all(r.sampling.greedy for r in requests):
             return [[t] for t in logits.argmax(-1).tolist()]  # host sync: one per step
+        if self.sampler == "inverse-cdf":
+            return self._first_tokens_inverse_cdf(requests, logits)
         return [
             [int(next_tokens(logits[i : i + 1], r.sampling, r.generator or self.generator))]
             for i, r in enumerate(requests)
         ]
+
+    def _first_tokens_inverse_cdf(self, requests: list[Request], logits: torch.Tensor) -> list[list[int]]:
+        """Every row's distribution at once per sampling group, then one uniform per row from its
+        request's stream (or the engine's, in row order) and the inverse CDF."""
+        tokens = [0] * len(requests)
+        for params, members in _group_by_sampling(requests).items():
+            rows = logits[members]
+            if params.greedy:
+                picked = rows.argmax(-1)
+            else:
+                uniforms = torch.cat([
+                    torch.rand(1, generator=requests[m].generator or self.generator, device=logits.device)
+                    for m in members
+                ])  # fmt: skip
+                picked = sample_from_uniforms(logits_to_probs(rows, params), uniforms)
+            for m, token in zip(members, picked.tolist(), strict=True):
+                tokens[m] = token
+        return [[t] for t in tokens]
 
     def _hand_over_prefill(self, hidden: torch.Tensor, batch: StepBatch) -> None:
         """Give the proposer each prefill chunk's (hidden state, next token) pairs as they come.

@@ -346,7 +346,13 @@ def _run(target, prompts, samplings, max_new_tokens, stops, batch_size, generato
     ``on_finish(index, tokens, reason)`` as each one ends. Once ``keep_going()`` is False no new
     prompt starts; those running finish."""
     max_len = max_len or max(len(p) for p in prompts) + max_new_tokens
-    engine = Engine(target, max_batch_size=batch_size, max_len=max_len, generator=generator)
+    # One uniform per sampled row instead of torch.multinomial's exponential per vocabulary entry:
+    # the same distribution, and the Magpie stage's decode step ~30 % cheaper (docs/training.md).
+    engine = Engine(target, max_batch_size=batch_size, max_len=max_len, generator=generator,
+                    sampler="inverse-cdf")  # fmt: skip
+    shared = os.path.commonprefix(prompts)  # the chat template's opening, the system message
+    if len(shared) >= 8:  # computed once instead of once per prompt (Magpie: the whole prompt)
+        engine.pin_prefix(shared)
     queue = iter(enumerate(zip(prompts, samplings, strict=True)))
     ids: dict[int, int] = {}
     results: list[tuple[list[int], str] | None] = [None] * len(prompts)

@@ -163,8 +163,8 @@ def generate(
     ``DEFAULT_MAX_BATCH``, and never more than the proposer holds); the others wait for a slot.
     ``sampler="inverse-cdf"`` samples the tokens that no tree verifies (plain decoding, each
     prompt's first token) from one uniform per row, the whole batch at once: the same
-    distribution, the decode step at batch 64 about a fifth cheaper, but not the draws of HF's ``generate``
-    that the default ``"hf"`` reproduces (``Engine``).
+    distribution, the decode step at batch 64 about a fifth cheaper, but not the draws of HF's
+    ``generate`` that the default ``"hf"`` reproduces (``Engine``).
     """
     target = target if isinstance(target, Target) else Target(target)
     prompts = as_prompts(input_ids, attention_mask)

@@ -456,7 +456,7 @@ class Engine:
         return "sampled" if self.proposer.sampled_children else "deterministic"
 
     def _first_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[list[int]]:
-        """One token per request from its logits row, greedy or sampled as HF samples."""
+        """One token per request from its logits row: greedy, or sampled by the engine's sampler."""
         if all(r.sampling.greedy for r in requests):
             return [[t] for t in logits.argmax(-1).tolist()]  # host sync: one per step
         if self.sampler == "inverse-cdf":
@@ -468,8 +468,8 @@ class Engine:
 
     def _first_tokens_inverse_cdf(self, requests: list[Request], logits: torch.Tensor) -> list[list[int]]:
         """Every row's distribution at once per sampling group, then one uniform per row from its
-        request's stream (or the engine's, in row order) and the inverse CDF."""
-        tokens = [0] * len(requests)
+        request's stream (or the engine's, in row order) and the inverse CDF; one host sync."""
+        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         for params, members in _group_by_sampling(requests).items():
             rows = logits[members]
             if params.greedy:
@@ -480,9 +480,8 @@ class Engine:
                     for m in members
                 ])  # fmt: skip
                 picked = sample_from_uniforms(logits_to_probs(rows, params), uniforms)
-            for m, token in zip(members, picked.tolist(), strict=True):
-                tokens[m] = token
-        return [[t] for t in tokens]
+            tokens[members] = picked
+        return [[t] for t in tokens.tolist()]
 
     def _hand_over_prefill(self, hidden: torch.Tensor, batch: StepBatch) -> None:
         """Give the proposer each prefill chunk's (hidden state, next token) pairs as they come.

@@ -347,7 +347,7 @@ def _run(target, prompts, samplings, max_new_tokens, stops, batch_size, generato
     prompt starts; those running finish."""
     max_len = max_len or max(len(p) for p in prompts) + max_new_tokens
     # One uniform per sampled row instead of torch.multinomial's exponential per vocabulary entry:
-    # the same distribution, and the Magpie stage's decode step ~30 % cheaper (docs/training.md).
+    # the same distribution, and the decode step at batch 64 ~20 % cheaper (docs/processors.md).
     engine = Engine(target, max_batch_size=batch_size, max_len=max_len, generator=generator,
                     sampler="inverse-cdf")  # fmt: skip
     shared = os.path.commonprefix(prompts)  # the chat template's opening, the system message

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,13 +110,15 @@ if triton is not None:
         sm_scale, softcap, window, split_len,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_kl, stride_vs, stride_vh, stride_vl,
         stride_ot, stride_oh, stride_mt,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
         SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_M query tokens of one request x the GROUP query heads of KV head
-        `kv_head`, over one slice of the prefix (split-KV) and, in the last slice, the new tokens."""
+        `kv_head`, over one slice of the prefix (split-KV) and, in the last slice, the new tokens.
+        Each token takes GROUP_PAD rows (GROUP rounded up to a power of two, as tl.arange needs);
+        the padding rows load zeros and are never stored."""
         block, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         num_splits = tl.num_programs(2)
         request = tl.load(BlockRequest + block)
@@ -125,10 +128,11 @@ if triton is not None:
         prefix = tl.load(PrefixLens + request)
         slot = tl.load(Slots + request).to(tl.int64)
 
-        rows = tl.arange(0, BLOCK_M * GROUP)  # token-major, then the group's heads
-        token = first + rows // GROUP
-        head = kv_head * GROUP + rows % GROUP
-        row_ok = token < num_new
+        rows = tl.arange(0, BLOCK_M * GROUP_PAD)  # token-major, then the group's heads (padded)
+        token = first + rows // GROUP_PAD
+        head_in_group = rows % GROUP_PAD
+        head = kv_head * GROUP + head_in_group
+        row_ok = (token < num_new) & (head_in_group < GROUP)
         dims = tl.arange(0, BLOCK_D)
         dim_ok = dims < HEAD_DIM
         q_rows = (q_start + token).to(tl.int64)
@@ -142,9 +146,9 @@ if triton is not None:
         if HAS_WINDOW:
             q_pos = tl.load(QPos + q_rows, mask=row_ok, other=0)
 
-        m_i = tl.full([BLOCK_M * GROUP], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M * GROUP], tl.float32)
-        acc = tl.zeros([BLOCK_M * GROUP, BLOCK_D], tl.float32)
+        m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], tl.float32)
         k_base = K + slot * stride_ks + kv_head * stride_kh
         v_base = V + slot * stride_vs + kv_head * stride_vh
         keys = tl.arange(0, BLOCK_N)
@@ -194,7 +198,7 @@ if triton is not None:
 
         if SPLIT:  # partial results in base 2, combined by _combine_splits
             part = (block * tl.num_programs(1) + kv_head) * num_splits + split
-            part_rows = part * (BLOCK_M * GROUP) + rows
+            part_rows = part * (BLOCK_M * GROUP_PAD) + rows
             tl.store(PartialM + part_rows, m_i)
             tl.store(PartialL + part_rows, l_i)
             tl.store(PartialOut + part_rows[:, None] * BLOCK_D + dims[None, :], acc)
@@ -228,54 +232,99 @@ if triton is not None:
 class TritonSchedule:
     """Which program does what: blocks of BLOCK_M query tokens, each within one request.
 
-    Shapes (NB blocks):
+    Shapes (NB blocks, T new tokens):
         block_request [NB] int32   the request a block belongs to
         block_start   [NB] int32   index of its first token within that request
+        token_block   [T] int32    the block that holds each new token (split-KV's combine)
+        token_index   [T] int32    its index within that block
     """
 
     block_request: torch.Tensor
     block_start: torch.Tensor
+    token_block: torch.Tensor
+    token_index: torch.Tensor
     block_m: int
     num_splits: int
     split_len: int
 
 
-def schedule_blocks(
-    cu_q: torch.Tensor, prefix_lens: torch.Tensor, group: int, *, num_splits: int | None = None
-) -> TritonSchedule:
-    """Cut every request's new tokens into blocks and decide the split-KV factor (host side).
+def group_pad(group: int) -> int:
+    """Rows a token takes in a block: the GQA group rounded up to a power of two (tl.arange's rule)."""
+    return 1 << (group - 1).bit_length()
 
-    A block holds BLOCK_M tokens x GROUP heads = at least 16 rows (tl.dot's minimum). Split-KV
-    (flash-decoding): when there are too few blocks to fill the GPU and the prefix is long, each
-    block's prefix is cut into ``num_splits`` slices run by separate programs.
+
+def schedule_blocks(
+    num_new: Sequence[int],
+    longest_prefix: int,
+    group: int,
+    *,
+    device: torch.device | str,
+    num_splits: int | None = None,
+) -> TritonSchedule:
+    """Cut every request's new tokens into blocks and decide the split-KV factor, from host values
+    only (``num_new[b]``: new tokens of request b; ``longest_prefix``: max of prefix_lens).
+
+    A block holds BLOCK_M tokens x GROUP_PAD rows = at least 16 rows (tl.dot's minimum), BLOCK_M
+    a power of two. Split-KV (flash-decoding): when there are too few blocks to fill the GPU and
+    the prefix is long, each block's prefix is cut into ``num_splits`` slices run by separate
+    programs.
     """
-    num_new = (cu_q[1:] - cu_q[:-1]).tolist()  # host sync: the launch grid depends on it
-    block_m = max(1, 16 // group) if max(num_new, default=1) <= 16 else max(1, 64 // group)
-    block_m = 1 << (block_m - 1).bit_length()  # a power of two
-    request, start = [], []
+    rows = 16 if max(num_new, default=1) <= 16 else 64  # decode-sized trees: small blocks
+    block_m = max(1, rows // group_pad(group))  # a power of two: both are
+    request, start, token_block, token_index = [], [], [], []
     for b, n in enumerate(num_new):
         for first in range(0, n, block_m):
+            token_block += [len(request)] * min(block_m, n - first)
+            token_index += range(min(block_m, n - first))
             request.append(b)
             start.append(first)
-    longest_prefix = int(prefix_lens.max()) if len(prefix_lens) else 0
     if num_splits is None:
         # Aim for ~4 waves of 132 SMs (an H100/H200), slices of at least 512 keys.
         num_splits = max(1, min(math.ceil(528 / max(1, len(request))), math.ceil(longest_prefix / 512), 64))
     split_len = max(1, math.ceil(longest_prefix / num_splits))
-    device = cu_q.device
+    packed = torch.tensor(request + start + token_block + token_index, dtype=torch.int32, device=device)
+    nb, t = len(request), len(token_block)  # one host-to-device copy, four views
     return TritonSchedule(
-        torch.tensor(request, dtype=torch.int32, device=device),
-        torch.tensor(start, dtype=torch.int32, device=device),
-        block_m,
-        num_splits,
-        split_len,
+        packed[:nb], packed[nb : 2 * nb], packed[2 * nb : 2 * nb + t], packed[2 * nb + t :],
+        block_m, num_splits, split_len,
+    )  # fmt: skip
+
+
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TRITON_MAX_GROUP = 16  # query heads per KV head: BLOCK_M >= 1 token of GROUP_PAD <= 16 rows
+# tl.dot needs every dimension >= 16 (head dims are padded to a power of two, so 80 is fine); past
+# 256 a block's accumulator [rows, BLOCK_D] fp32 no longer fits the registers of one program.
+TRITON_HEAD_DIMS = (16, 256)
+
+
+def triton_layout_refusal(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why the Triton kernel cannot serve this head layout, or None if it can (reads no device)."""
+    layout = f"{num_heads} query heads over {num_kv_heads} KV heads, head dim {head_dim}, {dtype}"
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        reason = "the query heads must be a multiple of the KV heads"
+    elif num_heads // num_kv_heads > TRITON_MAX_GROUP:
+        reason = f"it serves at most {TRITON_MAX_GROUP} query heads per KV head"
+    elif not TRITON_HEAD_DIMS[0] <= head_dim <= TRITON_HEAD_DIMS[1]:
+        reason = f"it serves head dims {TRITON_HEAD_DIMS[0]} to {TRITON_HEAD_DIMS[1]}"
+    elif dtype not in TRITON_DTYPES:
+        reason = f"it serves {', '.join(str(d) for d in TRITON_DTYPES)}"
+    else:
+        return None
+    return (
+        f"the Triton tree-attention kernel cannot serve {layout}: {reason}; "
+        'attention_backend="reference" (the PyTorch reference) serves it'
     )
 
 
-def _kernel_and_configs():
-    """The autotuned kernel on a GPU; a fixed small BLOCK_N under the interpreter (nothing to tune)."""
+def _kernel_and_configs(block_d: int):
+    """The autotuned kernel on a GPU; a fixed small BLOCK_N under the interpreter (nothing to tune).
+    TREESPEC_TRITON_AUTOTUNE=0 takes one fixed GPU configuration instead: one compile per shape
+    rather than twelve plus their timing, for tests on a GPU lent for minutes."""
     if interpreting():
         return _tree_attention_kernel, {"BLOCK_N": 16}
+    if os.environ.get("TREESPEC_TRITON_AUTOTUNE", "1") == "0":
+        block_n = 64 if block_d <= 128 else 32  # two stages of fp32 K, V [BLOCK_N, 256] fit in SMEM
+        return _tree_attention_kernel, {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
     return _tree_attention_kernel_tuned, {}
 
 
@@ -295,33 +344,39 @@ def tree_attention_triton(
     schedule: TritonSchedule | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel behind the module's contract. ``schedule`` may be reused across layers."""
+    """The Triton kernel behind the module's contract. ``schedule`` (:func:`schedule_blocks`) may
+    be reused across layers; a caller that passes it has checked the step's inputs against the
+    contract once, so only the checks that read no device memory run here."""
     if triton is None:
         raise RuntimeError("backend 'triton' needs the triton package (pip install 'treespec[gpu]')")
     if not q.is_cuda and not interpreting():
         raise RuntimeError("the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
-    check_attention_inputs(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dimension")
+    if schedule is None:
+        check_attention_inputs(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions)
+    else:
+        check_attention_shapes(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions)
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    schedule = schedule or schedule_blocks(cu_q, prefix_lens, group)
+    _check_triton_layout(q, k_cache, v_cache, schedule)
+    if schedule is None:
+        num_new = (cu_q[1:] - cu_q[:-1]).tolist()  # host sync: the launch grid depends on it
+        longest_prefix = int(prefix_lens.max()) if len(prefix_lens) else 0
+        schedule = schedule_blocks(num_new, longest_prefix, group, device=q.device)
     out = torch.empty_like(q) if out is None else out
     if num_rows == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
     num_blocks = len(schedule.block_request)
     split = schedule.num_splits > 1
-    rows = schedule.block_m * group
+    rows = schedule.block_m * group_pad(group)
     partial_shape = (num_blocks * num_kv_heads * schedule.num_splits * rows,)
     partial_m = q.new_empty(partial_shape if split else (1,), dtype=torch.float32)
     partial_l = torch.empty_like(partial_m)
     partial_out = q.new_empty((partial_shape[0], block_d) if split else (1,), dtype=torch.float32)
     mask = tree_mask if tree_mask is not None else cu_q  # any int tensor; unread when causal
     positions = q_positions if q_positions is not None else cu_q
-    kernel, configs = _kernel_and_configs()
+    kernel, configs = _kernel_and_configs(block_d)
     kernel[(num_blocks, num_kv_heads, schedule.num_splits)](
         q, k_cache, v_cache, out, cu_q, slots, prefix_lens, mask, positions,
         schedule.block_request, schedule.block_start, partial_out, partial_m, partial_l,
@@ -329,38 +384,49 @@ def tree_attention_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         mask.stride(0) if tree_mask is not None else 0,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=schedule.block_m,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, GROUP_PAD=group_pad(group), BLOCK_M=schedule.block_m,
         HAS_TREE=tree_mask is not None, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         SPLIT=split, UPCAST=interpreting(), **configs,
         # fp32 stays fp32 (no TF32) so that fp32 results match the reference closely.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     if split:
-        _combine_splits(out, schedule, partial_out, partial_m, partial_l, cu_q, group, head_dim)
+        _combine_splits(out, schedule, partial_out, partial_m, partial_l, group, head_dim)
     return out
 
 
-def _combine_splits(out, schedule, partial_out, partial_m, partial_l, cu_q, group, head_dim):
+def _check_triton_layout(q, k_cache, v_cache, schedule):
+    """Refuse, before launch and with no device read, what the kernel cannot serve."""
+    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[1]
+    refusal = triton_layout_refusal(num_heads, num_kv_heads, head_dim, q.dtype)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        dtypes = f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        raise ValueError(f"q, k_cache and v_cache need one dtype, got {dtypes}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension")
+    if schedule is not None and schedule.block_m * group_pad(num_heads // num_kv_heads) < 16:
+        raise ValueError(f"the schedule's blocks of {schedule.block_m} tokens were built for a larger group")
+
+
+def _combine_splits(out, schedule, partial_out, partial_m, partial_l, group, head_dim):
     """Merge split-KV partials: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
     num_blocks, num_kv_heads = len(schedule.block_request), out.shape[1] // group
-    rows = schedule.block_m * group
-    shape = (num_blocks, num_kv_heads, schedule.num_splits, rows)
+    pad = group_pad(group)
+    shape = (num_blocks, num_kv_heads, schedule.num_splits, schedule.block_m * pad)
     m = partial_m.view(shape)
     weight = torch.exp2(m - m.amax(2, keepdim=True)).nan_to_num(0.0)  # slices that saw no key: 0
     num = (weight[..., None] * partial_out.view(*shape, -1)).sum(2)  # [NB, Hkv, R, BLOCK_D]
     den = (weight * partial_l.view(shape)).sum(2)  # [NB, Hkv, R]
-    merged = (num / den[..., None])[..., :head_dim]
-    # Scatter rows back: row r of a block is token first + r // group, head kv_head * group + r % group.
-    r = torch.arange(rows, device=out.device)
-    token = schedule.block_start[:, None].long() + r // group  # [NB, R]
-    row = cu_q.long()[schedule.block_request.long()][:, None] + token
-    valid = token < (cu_q[1:] - cu_q[:-1]).long()[schedule.block_request.long()][:, None]
-    heads = torch.arange(num_kv_heads, device=out.device)[:, None] * group + r % group  # [Hkv, R]
-    merged = merged.permute(0, 2, 1, 3)  # [NB, R, Hkv, D]
-    row_index = row[:, :, None].expand(-1, -1, num_kv_heads)
-    head_index = heads.t()[None].expand(num_blocks, -1, -1)
-    keep = valid[:, :, None].expand(-1, -1, num_kv_heads)
-    out[row_index[keep], head_index[keep]] = merged[keep].to(out.dtype)
+    merged = num / den[..., None]  # padded rows may be NaN (0/0): never gathered
+    # Gather rows back (no boolean mask, so no host sync): token t, head h sits in block
+    # token_block[t], KV head h // group, row token_index[t] * GROUP_PAD + h % group.
+    heads = torch.arange(out.shape[1], device=out.device)
+    block = schedule.token_block.long()[:, None]  # [T, 1]
+    row = schedule.token_index.long()[:, None] * pad + (heads % group)[None, :]  # [T, Hq]
+    out.copy_(merged[block, (heads // group)[None, :], row, :head_dim])
 
 
 # --------------------------------------------------------------------------------------------
@@ -415,18 +481,27 @@ def build_plan(
     *,
     window: int | None = None,
     q_positions: torch.Tensor | None = None,
+    host: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None,
 ) -> AttentionPlan:
-    """Expand the ragged step metadata into padded indices and a dense mask (see the contract)."""
+    """Expand the ragged step metadata into padded indices and a dense mask (see the contract).
+
+    ``host``: (new tokens, committed lengths, slots) per request as host lists, which size the
+    padded tensors and pick the fast paths; a step's metadata has them, so the plan reads nothing
+    from the device. Without them they are read (one host sync)."""
     device = cu_q.device
     cu_q = cu_q.long()
     prefix = prefix_lens.long()
     num_new = cu_q[1:] - cu_q[:-1]  # [B]
     kv_len = prefix + num_new
-    # One host sync sizes the padded tensors and picks the fast paths.
-    num_new_list, kv_len_list, slot_list = num_new.tolist(), kv_len.tolist(), slots.tolist()
+    if host is None:
+        host = (num_new.tolist(), prefix.tolist(), slots.tolist())
+    num_new_list, slot_list = list(host[0]), list(host[2])
+    kv_len_list = [p + n for p, n in zip(host[1], num_new_list, strict=True)]
     num_rows, n_max, l_max = sum(num_new_list), max(num_new_list, default=0), max(kv_len_list, default=0)
 
-    row_request = torch.repeat_interleave(torch.arange(len(num_new), device=device), num_new)  # [T]
+    row_request = torch.repeat_interleave(
+        torch.arange(len(num_new), device=device), num_new, output_size=num_rows
+    )  # [T]
     row_index = torch.arange(num_rows, device=device) - cu_q[row_request]  # [T]
 
     key = torch.arange(l_max, device=device)
@@ -444,23 +519,25 @@ def build_plan(
     visible = (rel < 0)[:, None, :] | (is_new_key[:, None, :] & new_visible)
 
     if window is not None:
-        visible &= _window_mask(prefix, cu_q, q_positions, rel, is_new_key, row_request, row_index, window)
+        visible &= _window_mask(cu_q, q_positions, rel, is_new_key, row_request, row_index, window, n_max)
 
     is_padded_row = query[None, :] >= num_new[:, None]  # [B, n_max]
-    visible[is_padded_row] = False
+    visible &= ~is_padded_row[:, :, None]
     visible[..., 0] |= is_padded_row  # a fully masked row would give NaN
     consecutive = (
         slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))) if slot_list else False
     )
     slot_index = slice(slot_list[0], slot_list[0] + len(slot_list)) if consecutive else slots.long()
     uniform = len(set(num_new_list)) <= 1
-    return AttentionPlan(row_request, row_index, kv_len, visible, slot_index, uniform, bool(visible.all()))
+    # No key is masked exactly when each request has one new token (it sees its whole prefix and
+    # itself) and all requests see as many keys (no padded key), with no window to cut the prefix.
+    all_visible = window is None and set(num_new_list) <= {1} and len(set(kv_len_list)) <= 1
+    return AttentionPlan(row_request, row_index, kv_len, visible, slot_index, uniform, all_visible)
 
 
-def _window_mask(prefix, cu_q, q_positions, rel, is_new_key, row_request, row_index, window):
+def _window_mask(cu_q, q_positions, rel, is_new_key, row_request, row_index, window, n_max):
     """[B, n_max, L_max] bool: key position p is visible from query position P iff P - p < window."""
     batch, l_max = rel.shape
-    n_max = int((cu_q[1:] - cu_q[:-1]).max())
     q_pos = q_positions.long()
     q_pos_pad = q_pos.new_zeros(batch, n_max)
     q_pos_pad[row_request, row_index] = q_pos
@@ -542,7 +619,13 @@ def tree_attention_ref(
 
 
 def check_attention_inputs(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions):
-    """Raise ValueError naming the first input that breaks the contract."""
+    """Raise ValueError naming the first input that breaks the contract (reads the device)."""
+    check_attention_shapes(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions)
+    _check_attention_values(q, k_cache, cu_q, slots, prefix_lens, tree_mask)
+
+
+def check_attention_shapes(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions):
+    """The contract's checks that read no device memory: ranks, head layout, batch sizes."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"expected q [T, Hq, D] and k_cache == v_cache [S, Hkv, L, D], got q {tuple(q.shape)}, "
@@ -557,20 +640,24 @@ def check_attention_inputs(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_m
         raise ValueError(
             f"expected cu_q [B+1], slots [B], prefix_lens [B], got {len(cu_q)}, {len(slots)}, {len(prefix_lens)}"
         )
+    if tree_mask is not None and (tree_mask.dim() != 2 or tree_mask.shape[0] != q.shape[0]):
+        raise ValueError(f"tree_mask must be [T={q.shape[0]}, W], got {tuple(tree_mask.shape)}")
+    if window is not None and (q_positions is None or q_positions.shape != (q.shape[0],)):
+        raise ValueError("window needs q_positions of shape [T] (each new token's sequence position)")
+
+
+def _check_attention_values(q, k_cache, cu_q, slots, prefix_lens, tree_mask):
+    """The contract's checks on the metadata's values: host syncs, once per step at most."""
     if int(cu_q[-1]) != q.shape[0]:
         raise ValueError(f"cu_q[-1] = {int(cu_q[-1])} but q has {q.shape[0]} rows")
     num_new = cu_q[1:] - cu_q[:-1]
     max_new = int(num_new.max()) if len(slots) else 0
     if len(slots) and int((prefix_lens + num_new).max()) > k_cache.shape[2]:
         raise ValueError(f"prefix + new tokens exceed the cache length {k_cache.shape[2]}")
-    if tree_mask is not None and (
-        tree_mask.shape[0] != q.shape[0] or BITS_PER_WORD * tree_mask.shape[1] < max_new
-    ):
+    if tree_mask is not None and BITS_PER_WORD * tree_mask.shape[1] < max_new:
         raise ValueError(
             f"tree_mask must be [T={q.shape[0]}, W >= {-(-max_new // BITS_PER_WORD)}], got {tuple(tree_mask.shape)}"
         )
-    if window is not None and (q_positions is None or q_positions.shape != (q.shape[0],)):
-        raise ValueError("window needs q_positions of shape [T] (each new token's sequence position)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -653,13 +740,19 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def cpu_rows(cu_q: torch.Tensor, slots: torch.Tensor, prefix_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def cpu_rows(
+    cu_q: torch.Tensor, slots: torch.Tensor, prefix_lens: torch.Tensor, num_rows: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """Per query row: (cache slot, committed length, index among its request's new tokens, that
-    request's count of new tokens), [T] int64 each: what the CPU kernel reads."""
+    request's count of new tokens), [T] int64 each: what the CPU kernel reads. ``num_rows`` (T,
+    known to a step's metadata) spares reading ``cu_q[-1]``."""
     cu_q = cu_q.long()
     num_new = cu_q[1:] - cu_q[:-1]
-    row_request = torch.repeat_interleave(torch.arange(len(num_new), device=cu_q.device), num_new)
-    row_index = torch.arange(int(cu_q[-1]), device=cu_q.device) - cu_q[row_request]
+    num_rows = int(cu_q[-1]) if num_rows is None else num_rows
+    row_request = torch.repeat_interleave(
+        torch.arange(len(num_new), device=cu_q.device), num_new, output_size=num_rows
+    )
+    row_index = torch.arange(num_rows, device=cu_q.device) - cu_q[row_request]
     return slots.long()[row_request], prefix_lens.long()[row_request], row_index, num_new[row_request]
 
 

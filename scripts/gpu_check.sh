@@ -1,110 +1,147 @@
 #!/usr/bin/env bash
-# treespec's GPU check: CUDA tests, kernel, step-cost and end-to-end benchmarks, each stage under
-# its own timeout, with every log and JSON in ${OUT:-gpu_results} (docs/benchmark.md, "The GPU run").
+# treespec's GPU check, for the device tool's H200 machine (docs/benchmark.md, "The GPU run", says
+# which device calls to make, in what order). Every stage runs under its own time limit and
+# appends one JSON line per case to $OUT/results.jsonl as it goes; a stage that fails or runs
+# out of time appends its error (stage, status, rc, the tail of its stderr) there and the next
+# stage runs. $OUT also gets gpu_check.log (every stage's output) and summary.txt.
 #
-#   bash scripts/gpu_check.sh [--cpu-smoke] [STAGE ...]
+#   bash scripts/gpu_check.sh [--cpu-smoke] [STAGE ...]      (GPU_CHECK_DRY_RUN=1: --cpu-smoke)
 #
-# Stages, in this order (default: all):
-#   setup    the model: SmolLM2 converted from the GGUF pieces carried in .gpu_carry/ (prepared by
-#            scripts/gpu_prepare.sh), or a carried TREESPEC_HOME in .gpu_carry/home, or one already
-#            in $TREESPEC_HOME
-#   tests    pytest -m cuda (tests/test_cuda.py)
-#   kernels  scripts/bench_kernels.py --quick (the tree-attention kernel against SDPA)
-#   step     scripts/bench_step.py (forward cost per new tokens, HF beside it, drafting cost)
-#   bench1   treespec bench, every method and baseline, batch 1
-#   bench8   treespec bench, every method against HF generate, batch 8 (Spec-Bench, 8 per category)
-# A stage that needs the model is skipped when it is not there. Every call first copies what it
-# carries in .gpu_carry/ to $TREESPEC_GPU_STASH (default /tmp/treespec_gpu), which outlives the
-# call while the machine stays warm: the model's pieces can come over several calls. The stage
-# `stash` alone does only that.
+# Stages (default: all but stash, in this order; named ones run in the order given), limit in s:
+#   preflight  30  the default model's head layout (9/3 heads, D 64) through the Triton kernel and
+#                  Target(attention_backend="triton"), against the reference: if it fails, the
+#                  script stops there (GPU_CHECK_KEEP_GOING=1: it goes on)
+#   kernels   120  the kernel at real models' layouts against the float64 plain reference
+#                  (scripts/bench_kernels.py --correctness)
+#   setup      45  SmolLM2-135M-Instruct converted from the GGUF pieces in .gpu_carry/ (made by
+#                  scripts/gpu_prepare.sh), when every piece is there; else later stages run a
+#                  random model of its config (their lines say which)
+#   tests     120  pytest -m cuda
+#   identity   60  fp32 greedy tokens: Triton backend = reference backend (and HF), per method
+#   bench1     60  tokens/s, bf16, batch 1: HF generate and every treespec method
+#   bandwidth  60  the kernel's bandwidth on decode-shaped trees (bench_kernels.py --quick)
+#   batch8     45  tokens/s, bf16, batch 8
+#   stash       -  only copy what this call carries in .gpu_carry/ to $TREESPEC_GPU_STASH
+# The limits add up to 540 s. Every call first copies what it carries in .gpu_carry/ to
+# $TREESPEC_GPU_STASH (default /tmp/treespec_gpu), which outlives the call while the machine
+# stays warm: the model's pieces can come over several calls.
 #
-# --cpu-smoke: every stage shrunk, on --device cpu (TRITON_INTERPRET=1 for the kernel), to check
-# that each command line parses and runs. Environment: OUT, PYTHON, TREESPEC_HOME,
-# TREESPEC_GPU_STASH, GPU_CHECK_BUDGET_S (seconds for the whole run; stages that would not fit are
-# skipped), GPU_CHECK_PULL=1 (no pieces: download the model from PyPI), T_<STAGE> (one stage's
-# timeout in seconds, e.g. T_BENCH8=200).
+# --cpu-smoke: the same script end to end on this CPU (TRITON_INTERPRET=1, small shapes, the
+# model cut to 2 layers after the preflight), to test the script itself (tests/test_gpu_check.py).
+# Environment: OUT (default gpu_results), PYTHON, TREESPEC_HOME, TREESPEC_GPU_STASH,
+# GPU_CHECK_BUDGET_S (default 540: a stage gets at most what is left of it), T_<STAGE> (one
+# stage's limit, e.g. T_KERNELS=90), GPU_CHECK_FAIL=STAGE[,STAGE] (that stage fails at once: tests
+# the error path), GPU_CHECK_AUTOTUNE=1 (the engine stages autotune the kernel; default: one
+# fixed configuration, a compile per shape instead of twelve).
 set -uo pipefail # no -e: one failed stage must not stop the others
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
+ALL_STAGES=(preflight kernels setup tests identity bench1 bandwidth batch8)
 SMOKE=0
+[ "${GPU_CHECK_DRY_RUN:-0}" = 1 ] && SMOKE=1
 STAGES=()
 for arg in "$@"; do
     case $arg in
     --cpu-smoke) SMOKE=1 ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | cut -c3- && exit 0 ;;
-    stash | setup | tests | kernels | step | bench1 | bench8) STAGES+=("$arg") ;;
+    stash | preflight | kernels | setup | tests | identity | bench1 | bandwidth | batch8) STAGES+=("$arg") ;;
     *) echo "gpu_check.sh: unknown argument $arg (see --help)" >&2 && exit 2 ;;
     esac
 done
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(setup tests kernels step bench1 bench8)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL_STAGES[@]}")
 
 MODEL=smollm2-135m-instruct
 OUT=${OUT:-gpu_results}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+RESULTS=$OUT/results.jsonl
 LOG=$OUT/gpu_check.log
 : >"$LOG"
+: >"$RESULTS"
+BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
+declare -A LIMIT=([preflight]=${T_PREFLIGHT:-30} [kernels]=${T_KERNELS:-120} [setup]=${T_SETUP:-45}
+    [tests]=${T_TESTS:-120} [identity]=${T_IDENTITY:-60} [bench1]=${T_BENCH1:-60}
+    [bandwidth]=${T_BANDWIDTH:-60} [batch8]=${T_BATCH8:-45})
 if ((SMOKE)); then
     DEVICE=cpu
-    STASH=${TREESPEC_GPU_STASH:-/tmp/treespec_gpu_smoke}
-    BUDGET_S=${GPU_CHECK_BUDGET_S:-3000}
+    STASH=${TREESPEC_GPU_STASH:-$(mktemp -d /tmp/treespec_gpu_smoke.XXXXXX)}
     PY=${PYTHON:-.venv/bin/python}
     [ -x "$PY" ] || PY=python3
     export TRITON_INTERPRET=1
 else
     DEVICE=cuda
     STASH=${TREESPEC_GPU_STASH:-/tmp/treespec_gpu}
-    BUDGET_S=${GPU_CHECK_BUDGET_S:-570}
     PY=${PYTHON:-python3}
 fi
-# Default stage timeouts (seconds): a slow stage cannot eat the others' time.
-declare -A LIMIT=([setup]=${T_SETUP:-90} [tests]=${T_TESTS:-150} [kernels]=${T_KERNELS:-120}
-    [step]=${T_STEP:-100} [bench1]=${T_BENCH1:-120} [bench8]=${T_BENCH8:-120})
-((SMOKE)) && for s in "${!LIMIT[@]}"; do LIMIT[$s]=${T_SMOKE:-600}; done
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# The engine stages take one fixed kernel configuration unless asked (kernels/tree_attention.py);
+# Triton keeps compiled kernels and autotuning results on disk for the later stages and calls.
+[ "${GPU_CHECK_AUTOTUNE:-0}" = 1 ] || export TREESPEC_TRITON_AUTOTUNE=0
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$STASH"
-STATUS=$STASH/stages.$$ # name <TAB> status <TAB> seconds <TAB> last line of output
-: >"$STATUS"
 START=$SECONDS
+STOPPED=0
 
 say() { echo "$*" | tee -a "$LOG"; }
-record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "${3:--}" "${4:-}" >>"$STATUS"; }
 
-# run_stage NAME COMMAND...: runs it under the stage's timeout (cut to what is left of the budget).
+# record STAGE STATUS RC SECONDS LIMIT STDERR_FILE [REASON]: the stage's status line in results.jsonl
+record() {
+    "$PY" -S -P scripts/gpu_summary.py record "$RESULTS" "$@" 2>>"$LOG" ||
+        printf '{"stage": "%s", "case": "stage_status", "status": "%s", "rc": %s}\n' "$1" "$2" "${3:-null}" >>"$RESULTS"
+}
+
+# run_stage NAME COMMAND...: COMMAND under the stage's limit (cut to what is left of the budget),
+# stdout to the log as it comes, stderr to a file (appended to the log after), a status line.
 run_stage() {
     local name=$1 limit=${LIMIT[$1]} left
     shift
-    left=$((BUDGET_S - (SECONDS - START) - 5))
-    if ((left < 20)); then
-        record "$name" "skipped: the ${BUDGET_S}s budget is spent"
-        return
+    left=$((BUDGET_S - (SECONDS - START)))
+    if ((left < 5)); then
+        say "=== $name: skipped, the ${BUDGET_S}s budget is spent"
+        record "$name" skipped "" 0 "$limit" "" "the ${BUDGET_S}s budget is spent"
+        return 1
     fi
     ((limit > left)) && limit=$left
-    say "=== $name (timeout ${limit}s): $*"
-    local t0=$SECONDS out=$STASH/$name.out status
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out" | tee -a "$LOG"
+    if [[ ",${GPU_CHECK_FAIL:-}," == *",$name,"* ]]; then
+        set -- "$PY" -S -c "import sys; sys.exit('gpu_check: failure injected into stage $name (GPU_CHECK_FAIL)')"
+    fi
+    say "=== $name (limit ${limit}s): $*"
+    local t0=$SECONDS err=$STASH/$name.stderr status
+    GPU_CHECK_JSONL=$RESULTS GPU_CHECK_STAGE=$name timeout --kill-after=5 "$limit" "$@" 2>"$err" | tee -a "$LOG"
     local rc=${PIPESTATUS[0]}
+    cat "$err" >>"$LOG"
     case $rc in
     0) status=ok ;;
-    124 | 137) status="TIMEOUT after ${limit}s" ;;
-    *) status="FAILED (exit $rc)" ;;
+    124 | 137) status=timeout ;;
+    *) status=failed ;;
     esac
-    record "$name" "$status" "$((SECONDS - t0))" "$(grep -v '^\s*$' "$out" | tail -n 1 | cut -c1-150)"
-    say "=== $name: $status in $((SECONDS - t0))s"
+    record "$name" "$status" "$rc" "$((SECONDS - t0))" "$limit" "$err"
+    if [ "$status" != ok ]; then
+        say "=== $name: $status (exit $rc) after $((SECONDS - t0))s; the end of its stderr:"
+        tail -n 15 "$err"
+    else
+        say "=== $name: ok in $((SECONDS - t0))s"
+    fi
+    [ "$status" = ok ]
 }
 
 # ------------------------------------------------------------------------------ environment
 
-say "gpu_check.sh $* on ${HOSTNAME:-?} at $(date -u +%FT%TZ): stages ${STAGES[*]}, device $DEVICE, budget ${BUDGET_S}s"
+say "gpu_check.sh $* at $(date -u +%FT%TZ): stages ${STAGES[*]}, device $DEVICE, budget ${BUDGET_S}s, out $OUT"
 
 # What this call carries goes to the stash, which outlives it while the machine stays warm.
 for f in .gpu_carry/part*/* .gpu_carry/extra/*; do
     [ -f "$f" ] && cp -f "$f" "$STASH/"
 done
+pieces() { # the GGUF pieces the list names: "have" or "missing" ones
+    [ -f "$STASH/gguf_parts.txt" ] || return 0
+    while read -r _ part; do
+        if [ -f "$STASH/$part" ]; then [ "$1" = have ] && echo "$part"; else [ "$1" = missing ] && echo "$part"; fi
+    done <"$STASH/gguf_parts.txt"
+}
 if [ "${STAGES[*]}" = stash ]; then
-    say "stash $STASH holds: $(cd "$STASH" && echo *)"
-    rm -f "$STATUS"
+    have=$(pieces have | xargs) missing=$(pieces missing | xargs)
+    say "stash $STASH holds pieces: ${have:-none}; missing: ${missing:-none}"
+    printf '{"stage": "stash", "case": "pieces", "have": "%s", "missing": "%s"}\n' "$have" "$missing" >>"$RESULTS"
     exit 0
 fi
 
@@ -117,118 +154,116 @@ ln -sfn "$ROOT/kernels" "$PKG/treespec/kernels"
 ln -sfn "$ROOT/heads" "$PKG/treespec/heads"
 export PYTHONPATH="$PKG:$STASH/site${PYTHONPATH:+:$PYTHONPATH}"
 
-# transformers reads GGUF files through the gguf package: install the carried wheel if missing.
-if ! "$PY" -c "import gguf" 2>/dev/null; then
-    wheels=("$STASH"/gguf-*.whl)
-    [ -f "${wheels[0]}" ] && "$PY" -m pip install -q --no-index --no-deps --target "$STASH/site" "${wheels[0]}" 2>&1 | tee -a "$LOG"
-fi
-
-if [ -f "$ROOT/.gpu_carry/home/models/$MODEL/treespec.json" ]; then
+if ((SMOKE)); then
+    : # the dry run uses the model where TREESPEC_HOME says (pulled by CI), or the random stand-in
+elif [ -f "$ROOT/.gpu_carry/home/models/$MODEL/treespec.json" ]; then
     export TREESPEC_HOME=$ROOT/.gpu_carry/home # a converted model carried whole
-elif ((!SMOKE)) || [ -f "$STASH/gguf_parts.txt" ]; then
+else
     export TREESPEC_HOME=${TREESPEC_HOME:-$STASH/home}
 fi
-"$PY" -P - <<'EOF' 2>&1 | tee -a "$LOG"
-import platform, torch, transformers
-from treespec import models
-gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, {gpu}")
-print(f"TREESPEC_HOME {models.treespec_home()}")
-EOF
-if ((PIPESTATUS[0])); then
+if ! "$PY" -P -c "import torch, transformers, treespec.target" 2>>"$LOG"; then
     say "$PY cannot import torch, transformers and treespec: set PYTHON to an interpreter that can"
+    record environment failed 1 0 0 "$LOG" "cannot import torch, transformers and treespec"
     exit 1
 fi
 if [ "$DEVICE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
     say "no CUDA device visible: use --cpu-smoke on a machine without a GPU"
+    record environment failed 1 0 0 "$LOG" "no CUDA device visible"
     exit 1
 fi
-model_ready() { "$PY" -P -c "from treespec import models; import sys; sys.exit(not models.is_pulled('$MODEL'))"; }
 
 # ------------------------------------------------------------------------------ stages
 
-stage_setup() {
-    if model_ready; then
-        record setup "ok: $MODEL already in \$TREESPEC_HOME"
-        return
-    fi
-    local missing=""
-    if [ -f "$STASH/gguf_parts.txt" ]; then
-        while read -r _ part; do [ -f "$STASH/$part" ] || missing+=" $part"; done <"$STASH/gguf_parts.txt"
-        if [ -z "$missing" ]; then
-            if ! (cd "$STASH" && sha256sum --quiet -c gguf_parts.txt 2>&1 | tee -a "$LOG"); then
-                record setup "FAILED: a GGUF piece has the wrong sha256 (see the log)"
-                return
-            fi
-            cut -d' ' -f3 "$STASH/gguf_parts.txt" | sed "s#^#$STASH/#" | xargs cat >"$STASH/model.gguf"
-            run_stage setup "$PY" -P -m treespec.cli models pull "$MODEL" --quiet --gguf "$STASH/model.gguf"
-            rm -f "$STASH/model.gguf"
-            return
-        fi
-    fi
-    if ((SMOKE)) || [ "${GPU_CHECK_PULL:-0}" = 1 ]; then
-        run_stage setup "$PY" -P -m treespec.cli models pull "$MODEL"
-    else
-        record setup "skipped: no model; carry the GGUF pieces of scripts/gpu_prepare.sh (missing:${missing:- all})"
-    fi
-}
+STAGE_PY=("$PY" -P scripts/gpu_stages.py)
+JL=(--jsonl "$RESULTS")
+SMALL=() # the dry run: the model cut to 2 layers, few prompts and tokens
+((SMOKE)) && SMALL=(--layers 2 --num-prompts 1 --max-new-tokens 3 --budget fixed)
 
-stage_tests() {
-    run_stage tests "$PY" -P -m pytest tests -m cuda -q -p no:cacheprovider
+stage_preflight() {
+    run_stage preflight "${STAGE_PY[@]}" preflight --device "$DEVICE" --max-new-tokens 4 "${JL[@]}" && return 0
+    if [ "${GPU_CHECK_KEEP_GOING:-0}" != 1 ]; then
+        say "=== preflight failed: the script stops here (GPU_CHECK_KEEP_GOING=1 goes on)"
+        record gpu_check stopped "" 0 0 "" "the preflight failed; no later stage ran"
+        STOPPED=1
+    fi
 }
 
 stage_kernels() {
-    if ((SMOKE)); then
-        run_stage kernels "$PY" -P scripts/bench_kernels.py --smoke --out "$OUT/kernels.json"
-    else
-        run_stage kernels "$PY" -P scripts/bench_kernels.py --quick --out "$OUT/kernels.json"
-    fi
+    local size=()
+    ((SMOKE)) && size=(--smoke)
+    run_stage kernels "$PY" -P scripts/bench_kernels.py --correctness "${size[@]}" --stage kernels "${JL[@]}"
 }
 
-stage_step() {
-    local extra=()
-    ((SMOKE)) && extra=(--quick --sizes "1,4" --budgets "1,2" --repeats 1 --warmup 0)
-    run_stage step "$PY" -P scripts/bench_step.py --device "$DEVICE" --model "$MODEL" \
-        --out "$OUT/bench_step.json" "${extra[@]}"
+stage_setup() {
+    if "$PY" -P -c "from treespec import models; import sys; sys.exit(not models.is_pulled('$MODEL'))"; then
+        say "=== setup: $MODEL is already in \$TREESPEC_HOME ($TREESPEC_HOME)"
+        record setup ok 0 0 0 "" "$MODEL already in TREESPEC_HOME"
+        return
+    fi
+    local missing
+    missing=$(pieces missing | xargs)
+    if [ ! -f "$STASH/gguf_parts.txt" ] || [ -n "$missing" ]; then
+        local why="no GGUF pieces (scripts/gpu_prepare.sh makes them)"
+        [ -n "$missing" ] && why="GGUF pieces missing: $missing"
+        say "=== setup: skipped, $why; the model stages run a random model of $MODEL's config"
+        record setup skipped "" 0 0 "" "$why"
+        return
+    fi
+    # transformers reads GGUF files through the gguf package: install the carried wheel if missing.
+    if ! "$PY" -c "import gguf" 2>/dev/null; then
+        local wheels=("$STASH"/gguf-*.whl)
+        [ -f "${wheels[0]}" ] && "$PY" -m pip install -q --no-index --no-deps --target "$STASH/site" "${wheels[0]}" 2>&1 | tee -a "$LOG"
+    fi
+    run_stage setup bash -c 'set -e; cd "$1"; sha256sum --quiet -c gguf_parts.txt
+        cut -d" " -f3 gguf_parts.txt | xargs cat >model.gguf
+        trap "rm -f model.gguf" EXIT
+        cd "$2"; "$3" -P -m treespec.cli models pull "$4" --quiet --gguf "$1/model.gguf"' \
+        setup "$STASH" "$ROOT" "$PY" "$MODEL"
+}
+
+stage_tests() {
+    PYTHONPATH="$ROOT/scripts:$PYTHONPATH" run_stage tests "$PY" -P -m pytest tests -m cuda -q \
+        -p no:cacheprovider -p gpu_stages
+}
+
+stage_identity() {
+    local size=(--num-prompts 3 --max-new-tokens 32 --methods none,ngram,eagle)
+    ((SMOKE)) && size=("${SMALL[@]}" --methods none,ngram)
+    run_stage identity "${STAGE_PY[@]}" identity --device "$DEVICE" "${size[@]}" "${JL[@]}"
 }
 
 stage_bench1() {
-    local size=(--per-category 1 --max-new-tokens 64)
-    ((SMOKE)) && size=(--num-prompts 1 --max-new-tokens 4 --warmup 0)
-    run_stage bench1 "$PY" -P -m treespec.cli bench --device "$DEVICE" --model "$MODEL" --batch-size 1 \
-        "${size[@]}" --json "$OUT/bench_b1.json" --plot "$OUT/bench_b1.png"
+    local size=(--num-prompts 5 --max-new-tokens 64 --dtype bf16 --methods none,ngram,eagle,draft,medusa,hybrid)
+    ((SMOKE)) && size=("${SMALL[@]}" --dtype fp32 --methods none,ngram,eagle)
+    run_stage bench1 "${STAGE_PY[@]}" speed --stage bench1 --device "$DEVICE" --batch-size 1 "${size[@]}" "${JL[@]}"
 }
 
-stage_bench8() {
-    local prompts=$STASH/question_no_mtbench.jsonl batch=8 size=(--per-category 8 --max-new-tokens 64)
-    if [ ! -f "$prompts" ]; then # treespec's ten prompts as plain text: one category, batches of 8 and 2
-        prompts=$STASH/bench_prompts.txt
-        "$PY" -P -c "from treespec.prompts import BENCH_PROMPTS as P; print('\n'.join(' '.join(t.split()) for _, t in P))" >"$prompts"
-        size=(--max-new-tokens 64)
-    fi
+stage_bandwidth() {
+    local size=(--quick)
+    ((SMOKE)) && size=(--smoke)
+    run_stage bandwidth "$PY" -P scripts/bench_kernels.py "${size[@]}" --stage bandwidth --out "$STASH/kernels.json" "${JL[@]}"
+}
+
+stage_batch8() {
+    local prompts=() batch=8 size=(--num-prompts 16 --max-new-tokens 64 --dtype bf16 --methods none,ngram,eagle)
+    [ -f "$STASH/spec_bench_subset.jsonl" ] && prompts=(--prompts "$STASH/spec_bench_subset.jsonl")
     if ((SMOKE)); then
         batch=2
-        size=(--per-category 2 --num-prompts 2 --max-new-tokens 4 --warmup 0)
+        size=("${SMALL[@]}" --num-prompts 2 --dtype fp32 --methods none,ngram)
     fi
-    run_stage bench8 "$PY" -P -m treespec.cli bench --device "$DEVICE" --model "$MODEL" --batch-size "$batch" \
-        --prompts "$prompts" --baselines hf "${size[@]}" --json "$OUT/bench_b8.json"
+    run_stage batch8 "${STAGE_PY[@]}" speed --stage batch8 --device "$DEVICE" --batch-size "$batch" \
+        "${prompts[@]}" "${size[@]}" "${JL[@]}"
 }
 
 for stage in "${STAGES[@]}"; do
-    case $stage in
-    step | bench1 | bench8)
-        if ! model_ready; then
-            record "$stage" "skipped: $MODEL is not in \$TREESPEC_HOME (stage setup)"
-            continue
-        fi
-        ;;
-    esac
+    ((STOPPED)) && break
+    [ "$stage" = stash ] && continue
     "stage_$stage"
 done
 
 # ------------------------------------------------------------------------------ summary
 
-"$PY" -P scripts/gpu_summary.py "$OUT" "$STATUS" "$((SECONDS - START))" | tee "$OUT/summary.txt" | tee -a "$LOG"
-failed=$(cut -f2 "$STATUS" | grep -c -E '^(FAILED|TIMEOUT)')
-rm -f "$STATUS"
-exit $((failed > 0))
+"$PY" -S -P scripts/gpu_summary.py summary "$RESULTS" "$((SECONDS - START))" | tee "$OUT/summary.txt" | tee -a "$LOG"
+((STOPPED)) && exit 3
+"$PY" -S -P scripts/gpu_summary.py any-failed "$RESULTS" >/dev/null && exit 1
+exit 0

@@ -104,3 +104,14 @@ def test_uniform_grid_reproduces_the_distribution():
     draws = sample(probs.expand(len(grid), -1), uniforms=grid)
     freq = torch.bincount(draws, minlength=12).float() / len(grid)
     torch.testing.assert_close(freq, probs[0], atol=2e-5, rtol=0)
+
+
+def test_argmax_gives_torchs_first_maximum_at_any_shape():
+    from treespec.sampling import argmax
+
+    generator = torch.Generator().manual_seed(0)
+    for rows, vocab in [(0, 49152), (1, 300), (5, 49152), (3, 1000)]:
+        logits = torch.randn(rows, vocab, generator=generator)
+        if rows:
+            logits[-1, 7] = logits[-1, vocab - 2] = 99.0  # a tie across blocks: the first wins
+        assert torch.equal(argmax(logits), logits.argmax(-1))

@@ -120,9 +120,7 @@ class KVCache:
                     dst.append(base + k)
             self.lengths[slot] = base + len(nodes)
         if rows:  # a chain that was fully accepted moves nothing
-            rows_t = torch.tensor(rows, device=self.keys.device)
-            src_t = torch.tensor(src, device=self.keys.device)
-            dst_t = torch.tensor(dst, device=self.keys.device)
+            rows_t, src_t, dst_t = torch.tensor([rows, src, dst]).to(self.keys.device)  # one copy
             # Advanced indexing on the right copies first, so overlapping src/dst are safe.
             self.keys[:, rows_t, :, dst_t] = self.keys[:, rows_t, :, src_t]
             self.values[:, rows_t, :, dst_t] = self.values[:, rows_t, :, src_t]

@@ -10,6 +10,7 @@ Names: a *request id* is the engine's handle for a request; a *slot* is a cache 
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections import deque
@@ -20,10 +21,10 @@ import torch
 
 from treespec.processors import RowContexts, process, tree_paths
 from treespec.proposers.base import ProposalRequest, Proposer, RequestResult, StepResult
-from treespec.sampling import SamplingParams, logits_to_probs, next_tokens, sample_from_uniforms
+from treespec.sampling import SamplingParams, argmax, logits_to_probs, next_tokens, sample_from_uniforms
 from treespec.target import Target
-from treespec.tree import TokenTree, chain_mask
-from treespec.verify import MEDUSA_TYPICAL, verify
+from treespec.tree import TokenTree, chain_mask, host_structure
+from treespec.verify import MEDUSA_TYPICAL, parse_readback, verify
 
 TOKENIZE_HINT = (
     "tokenize first, with the chat template for a chat model: "
@@ -285,39 +286,40 @@ class Engine:
         return self._requests.pop(request_id)
 
     def step(self) -> list[RequestOutput]:
-        """One round: propose trees, score everything in one forward, verify, commit, emit."""
+        """One round: propose trees, score everything in one forward, verify, read back, commit,
+        emit. The device is read once, after verification (:meth:`_read_back`)."""
         start = time.perf_counter()
         self._admit()
         if not self._running:
             return []
-        device = self.target.device
         decoding = [r for r in self._running if not r.prefilling]
-        trees = self._propose(decoding)
+        trees, suspect = self._propose(decoding)
         proposed = time.perf_counter()
         batch = self._build_step(trees)
+        # A token outside the vocabulary is reported after the read; the forward must not index with it.
+        tokens = batch.tokens if suspect is None else batch.tokens.clamp(0, self.target.vocab_size - 1)
         out = self.target.forward(
-            batch.tokens,
-            self.cache,
-            batch.cu_q,
-            torch.tensor([r.slot for r in self._running], device=device),
-            tree_mask=batch.tree_mask,
-            depth=batch.depth,
-            logit_rows=batch.logit_rows,
-            hidden_layers=self.feature_layers,
+            tokens, self.cache, batch.cu, [r.slot for r in self._running], tree_mask=batch.tree_mask,
+            depth=batch.depth, logit_rows=batch.logit_rows, hidden_layers=self.feature_layers,
             return_hidden=self.wants_hidden,
-        )
+        )  # fmt: skip
         features = (
             torch.cat([out.layer_hidden[layer] for layer in self.feature_layers], dim=-1)
             if self.feature_layers
             else out.hidden
         )
         finishing_prefill = [r for r in self._running if r.prefilling and batch.finishes_prefill(r)]
-        logits = self._process(out.logits, finishing_prefill, decoding, batch)
+        logits = self._process(out.logits, finishing_prefill, decoding, trees)
         scored = time.perf_counter()
-        accepted, committed = self._verify(decoding, trees, logits[batch.num_prefill_logits :])
+        first = self._first_tokens(finishing_prefill, logits[: batch.num_prefill_logits])
+        table = self._verify(decoding, trees, logits[batch.num_prefill_logits :])
+        back = self._read_back(first, table, trees, suspect)
+        if back.suspect:  # the forward ran on clamped tokens; nothing is committed
+            _locate_problem(trees, self._asks(decoding), self.target.vocab_size, self.max_tree_nodes)
+            raise ValueError("proposer returned a tree that does not match its requests")
         verified = time.perf_counter()
         keep = batch.prefill_accepted | {
-            r.request_id: nodes for r, nodes in zip(decoding, accepted, strict=True)
+            r.request_id: nodes for r, nodes in zip(decoding, back.accepted, strict=True)
         }
         self.cache.commit([r.slot for r in self._running], [keep[r.request_id] for r in self._running])
         committed_at = time.perf_counter()
@@ -326,17 +328,17 @@ class Engine:
         for request in self._running:
             if request.prefilling:
                 request.num_prefilled += batch.chunk_len[request.request_id]
-        first_tokens = self._first_tokens(finishing_prefill, logits[: batch.num_prefill_logits])
         prefill_hidden, decode_hidden = self._hidden_for_proposer(
-            features, batch, finishing_prefill, decoding, accepted
+            features, batch, finishing_prefill, decoding, back.accepted
         )
         # The prompt's last token acts as a root-alone tree: its row produced the first token.
         prefill_trees = [([r.prompt[-1]], [-1]) for r in finishing_prefill]
         outputs, results = self._emit(
-            finishing_prefill, prefill_trees, [[0]] * len(finishing_prefill), first_tokens, prefill_hidden
-        )
+            finishing_prefill, prefill_trees, [[0]] * len(finishing_prefill),
+            [[t] for t in back.first_tokens], prefill_hidden,
+        )  # fmt: skip
         decoded, decode_results = self._emit(
-            decoding, batch.tree_lists, accepted, committed, decode_hidden, decode=True
+            decoding, back.tree_lists, back.accepted, back.committed, decode_hidden, decode=True
         )
         outputs += decoded
         if self.proposer is not None and (results or decode_results):
@@ -350,6 +352,49 @@ class Engine:
         self.stats.step_s += time.perf_counter() - start
         return outputs
 
+    def _read_back(
+        self,
+        first: torch.Tensor,
+        table: torch.Tensor | None,
+        trees: TokenTree | None,
+        suspect: torch.Tensor | None,
+    ) -> StepReadback:
+        """The step's one device-to-host read: the prompts' first tokens, each decoding request's
+        kept nodes and committed tokens (the verification table), the tree structure the host
+        does not know yet (trees drafted on the device), and the proposal check's flag, packed
+        into one tensor. Everything the host does after verification comes from it."""
+        need_structure = trees is not None and (trees.host is None or trees.host.tokens is None)
+        parts = [first.long().flatten()]
+        if table is not None:
+            parts.append(table.flatten())
+        if need_structure:
+            parts += [trees.tokens, trees.parents]
+        parts.append(
+            (suspect if suspect is not None else torch.zeros((), dtype=torch.bool))
+            .long()
+            .view(1)
+            .to(first.device)
+        )
+        flat = torch.cat([p.to(first.device) for p in parts]).tolist()  # host sync: the one per step
+        at = len(first)
+        first_tokens = flat[:at]
+        accepted, committed, tree_lists = [], [], []
+        if table is not None:
+            rows, width = table.shape
+            chunk = flat[at : at + rows * width]
+            at += rows * width
+            for nodes, tokens in parse_readback([chunk[i * width : (i + 1) * width] for i in range(rows)]):
+                accepted.append(nodes)
+                committed.append(tokens)
+            cu = list(itertools.accumulate(trees.sizes(), initial=0))
+            if need_structure:
+                n = trees.num_nodes
+                tokens, parents = flat[at : at + n], flat[at + n : at + 2 * n]
+            else:
+                tokens, parents = trees.host.tokens, trees.host.parents
+            tree_lists = [(list(tokens[i:j]), list(parents[i:j])) for i, j in itertools.pairwise(cu)]
+        return StepReadback(first_tokens, accepted, committed, tree_lists, bool(flat[-1]))
+
     def _admit(self) -> None:
         while self._waiting and self.cache.num_free and len(self._running) < self.max_running:
             request = self._waiting.popleft()
@@ -359,23 +404,27 @@ class Engine:
             if self._pinned:
                 self._reuse_pinned(request)
 
-    def _propose(self, decoding: list[Request]) -> TokenTree | None:
-        """One tree per decoding request (checked), on the model's device; None without
-        decoding requests. Without a proposer every tree is its root alone."""
+    def _propose(self, decoding: list[Request]) -> tuple[TokenTree | None, torch.Tensor | None]:
+        """One tree per decoding request, on the model's device, and the proposal check's flag
+        on the device (True: something is wrong; the step raises once it has read it back);
+        (None, None) without decoding requests. Without a proposer every tree is its root alone."""
         if not decoding:
-            return None
+            return None, None
         if self.proposer is None:
-            return TokenTree.from_lists([[r.output[-1]] for r in decoding]).to(self.target.device)
-        asks = [
+            return TokenTree.from_lists([[r.output[-1]] for r in decoding]).to(self.target.device), None
+        asks = self._asks(decoding)
+        tree = self.proposer.propose(asks)
+        suspect = check_proposal(tree, asks, self.target.vocab_size, self.max_tree_nodes, full=self.debug)
+        self.stats.drafted_nodes += tree.num_nodes - len(decoding)
+        return tree.to(self.target.device), suspect
+
+    def _asks(self, decoding: list[Request]) -> list[ProposalRequest]:
+        return [
             ProposalRequest(
                 r.request_id, r.prompt + r.output, len(r.prompt), r.sampling, r.max_new_tokens - len(r.output)
             )
             for r in decoding
         ]
-        tree = self.proposer.propose(asks)
-        check_proposal(tree, asks, self.target.vocab_size, self.max_tree_nodes, full=self.debug)
-        self.stats.drafted_nodes += tree.num_nodes - len(decoding)
-        return tree.to(self.target.device)
 
     def _build_step(self, trees: TokenTree | None) -> StepBatch:
         """Flatten prefill chunks (chains) and decoding trees into one ragged batch.
@@ -394,41 +443,42 @@ class Engine:
 
     def _verify(
         self, decoding: list[Request], trees: TokenTree | None, logits: torch.Tensor
-    ) -> tuple[list[list[int]], list[list[int]]]:
-        """Accepted node indices (for the cache) and committed tokens, per decoding request."""
+    ) -> torch.Tensor | None:
+        """The verification table of the decoding requests ([B, 2 (D+1)] on the device, see
+        :meth:`VerifyOutput.readback_table`), None without decoding requests."""
         if trees is None:
-            return [], []
+            return None
         if self.proposer is None:  # plain decoding: sample the next token the way HF does
             tokens = self._first_tokens(decoding, logits)
-            return [[0] for _ in decoding], tokens
-        accepted: list[list[int]] = [[] for _ in decoding]
-        committed: list[list[int]] = [[] for _ in decoding]
+            return torch.stack([torch.zeros_like(tokens), tokens], 1)
+        table = None
         for params, members in _group_by_sampling(decoding).items():
-            sub_tree, sub_logits = _select(trees, logits, members)
+            sub_tree, sub_logits = trees.select(members), logits[_node_rows(trees, members)]
             eps, delta = params.typical_acceptance or MEDUSA_TYPICAL  # read only in typical mode
             uniforms = None
             if not params.greedy and params.seed is not None:  # each request draws from its own stream
-                sizes = sub_tree.sizes()
                 uniforms = torch.cat([
                     torch.rand(n, 2, generator=decoding[m].generator, device=logits.device)
-                    for m, n in zip(members, sizes, strict=True)
+                    for m, n in zip(members, sub_tree.sizes(), strict=True)
                 ])  # fmt: skip
             result = verify(
                 sub_tree, sub_logits, params, mode=self._mode(params), generator=self.generator,
                 uniforms=uniforms, check=self.debug, typical_eps=eps, typical_delta=delta,
             )  # fmt: skip
-            for k, (nodes, tokens) in enumerate(
-                zip(result.accepted_lists(), result.committed_tokens(sub_tree), strict=True)
-            ):
-                accepted[members[k]] = nodes
-                committed[members[k]] = tokens
-        return accepted, committed
+            rows = result.readback_table(sub_tree)
+            if table is None:
+                if len(members) == len(decoding):
+                    return rows
+                table = rows.new_full((len(decoding), rows.shape[1]), -1)
+            table[torch.tensor(members, device=table.device)] = rows
+        return table
 
     def _process(
-        self, logits: torch.Tensor, finishing: list[Request], decoding: list[Request], batch: StepBatch
+        self, logits: torch.Tensor, finishing: list[Request], decoding: list[Request], trees: TokenTree | None
     ) -> torch.Tensor:
         """The logits rows after each request's processors (``treespec.processors``): a prompt's
-        last row sees the prompt, a tree node the committed sequence and its own path."""
+        last row sees the prompt, a tree node the committed sequence and its own path (read from
+        the device first when drafted there: one more host sync, in steps with processors only)."""
         requests = finishing + decoding
         if not any(r.sampling.has_processors for r in requests):
             return logits
@@ -436,7 +486,10 @@ class Engine:
         for b in range(len(finishing)):
             row_request.append(b)
             paths.append([])
-        for k, (tokens, parents) in enumerate(batch.tree_lists):
+        structure = host_structure([trees])[0] if trees is not None else ([0], [], [])
+        cu, flat_tokens, flat_parents = structure
+        tree_lists = [(flat_tokens[i:j], flat_parents[i:j]) for i, j in itertools.pairwise(cu)]
+        for k, (tokens, parents) in enumerate(tree_lists):
             for path in tree_paths(tokens, parents):
                 row_request.append(len(finishing) + k)
                 paths.append(path)
@@ -455,25 +508,26 @@ class Engine:
             return "typical"
         return "sampled" if self.proposer.sampled_children else "deterministic"
 
-    def _first_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[list[int]]:
-        """One token per request from its logits row: greedy, or sampled by the engine's sampler."""
+    def _first_tokens(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """One token per request from its logits row, [N] on the device: greedy, or sampled by
+        the engine's sampler."""
         if all(r.sampling.greedy for r in requests):
-            return [[t] for t in logits.argmax(-1).tolist()]  # host sync: one per step
+            return argmax(logits)
         if self.sampler == "inverse-cdf":
             return self._first_tokens_inverse_cdf(requests, logits)
-        return [
-            [int(next_tokens(logits[i : i + 1], r.sampling, r.generator or self.generator))]
+        return torch.cat([
+            next_tokens(logits[i : i + 1], r.sampling, r.generator or self.generator).view(1)
             for i, r in enumerate(requests)
-        ]
+        ])  # fmt: skip
 
-    def _first_tokens_inverse_cdf(self, requests: list[Request], logits: torch.Tensor) -> list[list[int]]:
+    def _first_tokens_inverse_cdf(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Every row's distribution at once per sampling group, then one uniform per row from its
-        request's stream (or the engine's, in row order) and the inverse CDF; one host sync."""
+        request's stream (or the engine's, in row order) and the inverse CDF."""
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         for params, members in _group_by_sampling(requests).items():
             rows = logits[members]
             if params.greedy:
-                picked = rows.argmax(-1)
+                picked = argmax(rows)
             else:
                 uniforms = torch.cat([
                     torch.rand(1, generator=requests[m].generator or self.generator, device=logits.device)
@@ -481,7 +535,7 @@ class Engine:
                 ])  # fmt: skip
                 picked = sample_from_uniforms(logits_to_probs(rows, params), uniforms)
             tokens[members] = picked
-        return [[t] for t in tokens.tolist()]
+        return tokens
 
     def _hand_over_prefill(self, hidden: torch.Tensor, batch: StepBatch) -> None:
         """Give the proposer each prefill chunk's (hidden state, next token) pairs as they come.
@@ -493,7 +547,7 @@ class Engine:
         for i, request in enumerate(self._running):
             if not request.prefilling:
                 continue
-            rows = hidden[int(batch.cu_q[i]) : int(batch.cu_q[i + 1])]
+            rows = hidden[batch.cu[i] : batch.cu[i + 1]]
             tokens = request.prompt[request.num_prefilled : request.num_prefilled + len(rows)]
             carried = self._carry.pop(request.request_id, None)
             if carried is None:  # the prompt's first token follows no hidden state
@@ -576,24 +630,22 @@ class Engine:
 class StepBatch:
     """One step's flattened rows, on the model's device. Requests appear in running order;
     logits rows are ordered prefill-final rows first, then all tree nodes (so the verifier's
-    logits are one slice).
+    logits are one slice). Laid out on the host from the prompts and the trees' host sizes:
+    building it reads nothing from the device.
 
     Shapes (T rows, B requests):
-        tokens [T], cu_q [B+1], depth [T], tree_mask [T, W] int32 or None (all chains: causal),
-        logit_rows [R]
+        tokens [T], depth [T], tree_mask [T, W] int32 or None (all chains: causal), logit_rows [R]
     """
 
     tokens: torch.Tensor
-    cu_q: torch.Tensor
     depth: torch.Tensor
     tree_mask: torch.Tensor | None
     logit_rows: torch.Tensor
     num_prefill_logits: int
-    cu: list[int]  # cu_q on the host
+    cu: list[int]  # [B+1] request b owns rows cu[b]:cu[b+1] (host)
     chunk_len: dict[int, int]  # prefill tokens carried per request id
     prefill_accepted: dict[int, range]  # per request id, what the cache keeps of its chunk: all of it
     final_chunk: set[int]  # request ids whose chunk ends their prompt
-    tree_lists: list[tuple[list[int], list[int]]]  # per decoding request: its tree's tokens and parents
 
     def finishes_prefill(self, request: Request) -> bool:
         return request.request_id in self.final_chunk
@@ -606,64 +658,83 @@ class StepBatch:
         trees: TokenTree | None,
         device: torch.device,
     ) -> StepBatch:
-        tokens, depth, cu_q = [], [], [0]
-        masks: list[torch.Tensor] = []
-        prefill_rows, tree_rows, final, accepted, tree_lists = [], [], set(), {}, []
-        tree_sizes = trees.sizes() if trees is not None else []
-        tree_tokens = trees.tokens.tolist() if trees is not None else []  # host sync, one per tensor
-        tree_depth = trees.depth.tolist() if trees is not None else []
-        tree_parents = trees.parents.tolist() if trees is not None else []
-        node = 0
+        tree_sizes = trees.sizes() if trees is not None else []  # the host's, from the proposer
+        tree_cu = list(itertools.accumulate(tree_sizes, initial=0))
+        prompt_tokens, prompt_depth, pieces = [], [], []  # pieces: (kind, start, stop) in running order
+        prefill_rows, tree_rows, final, accepted, cu = [], [], set(), {}, [0]
         b = 0
         for request in running:
-            start = len(tokens)
+            start = cu[-1]
             if request.request_id in chunks:
                 chunk = chunks[request.request_id]
-                tokens += chunk
-                depth += range(len(chunk))
-                masks.append(chain_mask(len(chunk), device))
+                pieces.append(("prompt", len(prompt_tokens), len(prompt_tokens) + len(chunk)))
+                prompt_tokens += chunk
+                prompt_depth += range(len(chunk))
                 accepted[request.request_id] = range(len(chunk))
                 if request.num_prefilled + len(chunk) == len(request.prompt):
                     final.add(request.request_id)
                     prefill_rows.append(start + len(chunk) - 1)
+                cu.append(start + len(chunk))
             else:
-                size = tree_sizes[b]
-                tokens += tree_tokens[node : node + size]
-                depth += tree_depth[node : node + size]
-                tree_lists.append((tree_tokens[node : node + size], tree_parents[node : node + size]))
-                masks.append(trees.tree_mask[node : node + size])
-                tree_rows += range(start, start + size)
-                node += size
+                pieces.append(("tree", tree_cu[b], tree_cu[b + 1]))
+                tree_rows += range(start, start + tree_sizes[b])
+                cu.append(start + tree_sizes[b])
                 b += 1
-            cu_q.append(len(tokens))
-        has_tree = trees is not None and max(tree_sizes, default=1) > 1
-        mask = None
-        if has_tree:
-            width = max(m.shape[1] for m in masks)
-            mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+        logit_rows = prefill_rows + tree_rows
+        # The step's host data reaches the device in one copy: prompt tokens, their depths, logit rows.
+        host = torch.tensor(prompt_tokens + prompt_depth + logit_rows, dtype=torch.long).to(device)
+        prompt_t, prompt_d, rows_t = host.split([len(prompt_tokens), len(prompt_depth), len(logit_rows)])
+        if not prompt_tokens:  # decoding only: the trees are the step
+            tokens, depth = trees.tokens, trees.depth
+            mask = trees.tree_mask if max(tree_sizes, default=1) > 1 else None
+        else:
+            sources = {"prompt": (prompt_t, prompt_d), "tree": (trees.tokens, trees.depth) if trees else None}
+            tokens = torch.cat([sources[kind][0][i:j] for kind, i, j in pieces])
+            depth = torch.cat([sources[kind][1][i:j] for kind, i, j in pieces])
+            mask = None
+            if trees is not None and max(tree_sizes, default=1) > 1:
+                masks = [
+                    chain_mask(j - i, device) if kind == "prompt" else trees.tree_mask[i:j]
+                    for kind, i, j in pieces
+                ]
+                width = max(m.shape[1] for m in masks)
+                mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
         return cls(
-            torch.tensor(tokens, device=device),
-            torch.tensor(cu_q, device=device),
-            torch.tensor(depth, device=device),
+            tokens,
+            depth,
             mask,
-            torch.tensor(prefill_rows + tree_rows, dtype=torch.long, device=device),
+            rows_t,
             len(prefill_rows),
-            cu_q,
+            cu,
             {r: len(c) for r, c in chunks.items()},
             accepted,
             final,
-            tree_lists,
         )
+
+
+@dataclass(frozen=True)
+class StepReadback:
+    """What the host learns from the step's one read (:meth:`Engine._read_back`), per request:
+    the prompts' first tokens; each decoding request's kept node indices (root first) and
+    committed tokens; its tree's tokens and parents; and whether the proposal check failed."""
+
+    first_tokens: list[int]
+    accepted: list[list[int]]
+    committed: list[list[int]]
+    tree_lists: list[tuple[list[int], list[int]]]
+    suspect: bool
 
 
 def check_proposal(
     tree: TokenTree, asks: list[ProposalRequest], vocab_size: int, max_nodes: int, *, full: bool = False
-) -> None:
+) -> torch.Tensor | None:
     """A proposer's tree must match the requests: clear errors naming the request and node.
 
-    Cheap by default: shapes, then one tensor test of every request's root, size and tokens
-    (one host sync); only when that finds a problem is it located on the host. ``full`` also
-    runs ``TokenTree.validate`` (structure, depths, bitmask: host-side, for tests and debugging).
+    Cheap by default: shapes and the host's sizes, then one tensor test of every request's root
+    and tokens, returned unread (a 0-d bool on the device, True when something is wrong): the
+    engine reads it with the step's one read and then locates the problem on the host
+    (:func:`_locate_problem`). ``full`` reads it at once and also runs ``TokenTree.validate``
+    (structure, depths, bitmask: host-side, for tests and debugging); it returns None.
     """
     if not isinstance(tree, TokenTree):
         raise TypeError(f"proposer returned {type(tree).__name__}, expected a TokenTree")
@@ -675,29 +746,38 @@ def check_proposal(
             raise ValueError(
                 f"proposer's tree.{name} has {getattr(tree, name).shape[0]} rows for {num_nodes} nodes"
             )
-    device = tree.tokens.device
-    roots = torch.tensor([ask.tokens[-1] for ask in asks], device=device)
-    sizes = tree.cu_nodes.diff()
-    bad_token = (tree.tokens < 0) | (tree.tokens >= vocab_size)  # [T]
-    malformed = (sizes < 1).any() | (tree.cu_nodes[0] != 0) | (tree.cu_nodes[-1] != num_nodes)
-    request_of = torch.repeat_interleave(torch.arange(len(asks), device=device), sizes.clamp(min=0))
-    bad_request = torch.zeros(len(asks), dtype=torch.long, device=device).index_add_(
-        0, request_of[:num_nodes], bad_token[: len(request_of)].long()
-    )
-    root_tokens = tree.tokens[tree.cu_nodes[:-1].clamp(0, max(num_nodes - 1, 0))]
-    wrong = (root_tokens != roots) | (sizes > max_nodes) | (bad_request > 0) | malformed
-    if bool(wrong.any()) or full:  # host sync: one per step
+    host_sizes = tree.sizes()  # the builder's, on the host (a host sync only for a tree without them)
+    if (
+        len(host_sizes) != len(asks)
+        or sum(host_sizes) != num_nodes
+        or min(host_sizes, default=1) < 1
+        or max(host_sizes, default=1) > max_nodes
+    ):
         _locate_problem(tree, asks, vocab_size, max_nodes)
-    if full:
-        try:
-            tree.validate()
-        except ValueError as err:
-            raise ValueError(f"proposer returned a malformed tree: {err}") from None
+        raise ValueError(f"proposer returned trees of {host_sizes} nodes for {len(asks)} requests")
+    device = tree.tokens.device
+    roots = torch.tensor([ask.tokens[-1] for ask in asks]).to(device)
+    starts = torch.tensor(list(itertools.accumulate(host_sizes, initial=0))[:-1]).to(device)
+    bad_token = ((tree.tokens < 0) | (tree.tokens >= vocab_size)).any()
+    suspect = (tree.tokens[starts] != roots).any() | bad_token | (tree.cu_nodes[:-1] != starts).any()
+    if not full:
+        return suspect
+    if bool(suspect):
+        _locate_problem(tree, asks, vocab_size, max_nodes)
+    try:
+        tree.validate()
+    except ValueError as err:
+        raise ValueError(f"proposer returned a malformed tree: {err}") from None
+    return None
 
 
 def _locate_problem(tree: TokenTree, asks: list[ProposalRequest], vocab_size: int, max_nodes: int) -> None:
-    """Name the first request whose tree is wrong, and how (host-side)."""
-    sizes = tree.sizes()
+    """Name the first request whose tree is wrong, and how (host-side, reading the device)."""
+    sizes = (tree.cu_nodes[1:] - tree.cu_nodes[:-1]).tolist()
+    if tree.host is not None and list(tree.host.sizes) != sizes:
+        raise ValueError(
+            f"proposer returned a tree whose host sizes {list(tree.host.sizes)} disagree with cu_nodes {tree.cu_nodes.tolist()}"
+        )
     starts = tree.cu_nodes[:-1].tolist()
     if min(sizes) < 1 or starts[0] != 0 or starts[-1] + sizes[-1] != tree.num_nodes:
         raise ValueError(
@@ -729,17 +809,10 @@ def _group_by_sampling(requests: list[Request]) -> dict[SamplingParams, list[int
     return groups
 
 
-def _select(tree: TokenTree, logits: torch.Tensor, members: list[int]) -> tuple[TokenTree, torch.Tensor]:
-    """The sub-batch of trees (and their logits rows) of the given requests."""
+def _node_rows(tree: TokenTree, members: list[int]) -> torch.Tensor | slice:
+    """The logits rows of the given requests' nodes: a slice for all of them, else an index."""
     if members == list(range(tree.num_requests)):
-        return tree, logits
-    device = tree.tokens.device
-    starts, ends = tree.cu_nodes[:-1].tolist(), tree.cu_nodes[1:].tolist()
-    rows = torch.cat([torch.arange(starts[m], ends[m], device=device) for m in members])
-    sizes = torch.tensor([ends[m] - starts[m] for m in members], device=device)
-    sub = TokenTree(
-        tree.tokens[rows], tree.parents[rows], tree.depth[rows],
-        torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]), tree.tree_mask[rows],
-        None if tree.draft_probs is None else tree.draft_probs[rows],
-    )  # fmt: skip
-    return sub, logits[rows]
+        return slice(None)
+    cu = list(itertools.accumulate(tree.sizes(), initial=0))
+    rows = [i for m in members for i in range(cu[m], cu[m + 1])]
+    return torch.tensor(rows).to(tree.tokens.device)

@@ -16,6 +16,7 @@ written to cache position ``prefix_lens[b] + i`` before attention.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ from treespec.kernels.tree_attention import (
     schedule_blocks,
     tree_attention_cpu,
     tree_attention_triton,
+    triton_layout_refusal,
 )
 
 ATTENTION_NAME = "treespec"
@@ -47,6 +49,10 @@ STEP_KWARG = "treespec_step"
 class StepMetadata:
     """What every attention layer needs for one step. Built once per step, read by all layers.
 
+    The host knows a step's layout before it runs (how many new tokens each request has, its
+    cache row and committed length), so the metadata is built from host lists and reaches the
+    device in one copy, and nothing here reads the device (docs/architecture.md).
+
     Shapes (B requests in the step, T new tokens in all):
         cu_q        [B+1] int32   request b owns rows cu_q[b]:cu_q[b+1]
         slots       [B] int32     cache row of each request
@@ -55,6 +61,7 @@ class StepMetadata:
         q_positions [T] int32     sequence position of each new token
         row_slots   [T] long      cache row each new token's K/V is written to
         row_pos     [T] long      cache position each new token's K/V is written to
+        num_new, prefix, slot_list   the host's copies: [B] ints each
     """
 
     cache: KVCache
@@ -65,34 +72,37 @@ class StepMetadata:
     q_positions: torch.Tensor
     row_slots: torch.Tensor
     row_pos: torch.Tensor
-    single: tuple[int, int] | None = None  # (slot, prefix_len) when the step has one request
-    backend: str = "reference"  # "reference" or "triton", resolved by the Target
+    num_new: list[int]
+    prefix: list[int]
+    slot_list: list[int]
+    backend: str = "reference"  # "reference", "triton" or "cpu", resolved by the Target
     _plans: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.num_new)
 
     def plan(self, window: int | None) -> AttentionPlan:
         """The attention plan for this step, built once per distinct sliding window."""
         if window not in self._plans:
             self._plans[window] = build_plan(
-                self.cu_q,
-                self.slots,
-                self.prefix_lens,
-                self.tree_mask,
-                window=window,
-                q_positions=self.q_positions,
-            )
+                self.cu_q, self.slots, self.prefix_lens, self.tree_mask, window=window,
+                q_positions=self.q_positions, host=(self.num_new, self.prefix, self.slot_list),
+            )  # fmt: skip
         return self._plans[window]
 
     def schedule(self, group: int) -> TritonSchedule:
         """The Triton kernel's block schedule for this step, built once per GQA group size."""
         key = ("triton", group)
         if key not in self._plans:
-            self._plans[key] = schedule_blocks(self.cu_q, self.prefix_lens, group)
+            longest_prefix = max(self.prefix, default=0)
+            self._plans[key] = schedule_blocks(self.num_new, longest_prefix, group, device=self.cu_q.device)
         return self._plans[key]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the K/V [T, Hkv, D] of every new token at its row's cache position."""
-        if self.single is not None:
-            self.cache.write_run(layer, *self.single, k, v)
+        if len(self.slot_list) == 1:
+            self.cache.write_run(layer, self.slot_list[0], self.prefix[0], k, v)
         else:
             self.cache.write(layer, self.row_slots, self.row_pos, k, v)
 
@@ -115,7 +125,7 @@ class StepMetadata:
             )  # fmt: skip
         if self.backend == "cpu":
             if "cpu" not in self._plans:
-                self._plans["cpu"] = cpu_rows(self.cu_q, self.slots, self.prefix_lens)
+                self._plans["cpu"] = cpu_rows(self.cu_q, self.slots, self.prefix_lens, self.num_rows)
             return tree_attention_cpu(
                 q, k_cache, v_cache, self.cu_q, self.slots, self.prefix_lens, self.tree_mask, sm_scale=sm_scale,
                 window=window, softcap=softcap, q_positions=self.q_positions, rows=self._plans["cpu"],
@@ -126,41 +136,53 @@ class StepMetadata:
     def build(
         cls,
         cache: KVCache,
-        cu_q: torch.Tensor,
-        slots: torch.Tensor,
+        num_new: Sequence[int],
+        slots: Sequence[int],
         tree_mask: torch.Tensor | None = None,
         depth: torch.Tensor | None = None,
         *,
         backend: str = "reference",
     ) -> StepMetadata:
-        """Metadata for T new tokens on top of each slot's committed prefix.
+        """Metadata for ``num_new[b]`` new tokens on top of each slot's committed prefix.
 
         New token i of request b is written at ``prefix_lens[b] + i`` and sits at sequence position
         ``prefix_lens[b] + depth[i]`` (``depth`` None: ``i``, i.e. chains). Checks room first.
+        ``num_new`` and ``slots`` are host ints; the committed lengths are the cache's host list.
+        Everything is laid out on the host and copied to the device once.
         """
-        device = cache.keys.device
-        cu_q = cu_q.to(device=device, dtype=torch.int32)
-        slots = slots.to(device=device, dtype=torch.int32)
-        num_new = (cu_q[1:] - cu_q[:-1]).long()
-        slot_list, lengths = slots.tolist(), [cache.lengths[s] for s in slots.tolist()]  # host sync
-        for slot, n in zip(slot_list, num_new.tolist(), strict=True):
+        num_new, slot_list = [int(n) for n in num_new], [int(s) for s in slots]
+        if len(num_new) != len(slot_list):
+            raise ValueError(f"{len(num_new)} request sizes for {len(slot_list)} slots")
+        for slot, n in zip(slot_list, num_new, strict=True):
             cache.check_room(slot, n)  # before any compute
-        prefix_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-        num_rows = int(cu_q[-1]) if len(slot_list) else 0
-        row_request = torch.repeat_interleave(torch.arange(len(slot_list), device=device), num_new)
-        row_index = torch.arange(num_rows, device=device) - cu_q[:-1].long()[row_request]
-        row_prefix = prefix_lens.long()[row_request]
-        q_positions = row_prefix + (row_index if depth is None else depth.to(device).long())
+        prefix = [cache.lengths[s] for s in slot_list]
+        batch, num_rows = len(num_new), sum(num_new)
+        counts = torch.tensor(num_new, dtype=torch.long)
+        cu = torch.zeros(batch + 1, dtype=torch.long)
+        torch.cumsum(counts, 0, out=cu[1:])
+        row_request = torch.repeat_interleave(torch.arange(batch), counts, output_size=num_rows)
+        row_index = torch.arange(num_rows) - cu[:-1][row_request]
+        slot_t, prefix_t = torch.tensor(slot_list, dtype=torch.long), torch.tensor(prefix, dtype=torch.long)
+        row_prefix = prefix_t[row_request]
+        host = torch.cat([cu, slot_t, prefix_t, slot_t[row_request], row_prefix, row_prefix + row_index])
+        device = cache.keys.device
+        on_device = host.to(device)  # the step's one host-to-device copy
+        cu_q, slots_d, prefix_d, row_slots, row_prefix_d, row_pos = on_device.split(
+            [batch + 1, batch, batch, num_rows, num_rows, num_rows]
+        )
+        q_positions = row_pos if depth is None else row_prefix_d + depth.to(device).long()
         return cls(
             cache=cache,
-            cu_q=cu_q,
-            slots=slots,
-            prefix_lens=prefix_lens,
+            cu_q=cu_q.to(torch.int32),
+            slots=slots_d.to(torch.int32),
+            prefix_lens=prefix_d.to(torch.int32),
             tree_mask=None if tree_mask is None else tree_mask.to(device),
             q_positions=q_positions.to(torch.int32),
-            row_slots=slots.long()[row_request],
-            row_pos=row_prefix + row_index,
-            single=(slot_list[0], lengths[0]) if len(slot_list) == 1 else None,
+            row_slots=row_slots,
+            row_pos=row_pos,
+            num_new=num_new,
+            prefix=prefix,
+            slot_list=slot_list,
             backend=backend,
         )
 
@@ -305,6 +327,10 @@ class Target:
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        layout = (config.num_attention_heads, self.num_kv_heads, self.head_dim, model.dtype)
+        if self.attention_backend == "triton" and (layout_refusal := triton_layout_refusal(*layout)):
+            raise ValueError(layout_refusal)
+        self._no_mask = torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=model.device)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = getattr(config, "max_position_embeddings", None)
 
@@ -335,8 +361,8 @@ class Target:
         self,
         tokens: torch.Tensor,
         cache: KVCache,
-        cu_q: torch.Tensor,
-        slots: torch.Tensor,
+        cu_q: torch.Tensor | Sequence[int],
+        slots: torch.Tensor | Sequence[int],
         tree_mask: torch.Tensor | None = None,
         depth: torch.Tensor | None = None,
         logit_rows: torch.Tensor | None = None,
@@ -350,13 +376,21 @@ class Target:
             depth [T] (tree depth of each token; None = index within its request, i.e. chains);
             logit_rows [R] (None = all rows)
         ``return_hidden=False`` (with no ``hidden_layers``) skips collecting hidden states.
+        ``cu_q`` and ``slots`` are best given as host lists (the engine's loop does): as tensors
+        they are read back first, one host sync.
         """
         device = self.device
-        step = StepMetadata.build(cache, cu_q, slots, tree_mask, depth, backend=self.attention_backend)
+        cu = cu_q.tolist() if isinstance(cu_q, torch.Tensor) else list(cu_q)
+        slots = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        num_new = [end - start for start, end in zip(cu[:-1], cu[1:], strict=True)]
+        step = StepMetadata.build(cache, num_new, slots, tree_mask, depth, backend=self.attention_backend)
         q_positions = step.q_positions.long()
         out = self.runner(
             input_ids=tokens.to(device)[None],
             position_ids=q_positions[None],
+            # A 4-D mask is taken as already built: transformers then builds none (treespec's
+            # attention reads the step's metadata instead), which also spares its host syncs.
+            attention_mask=self._no_mask,
             use_cache=False,
             output_hidden_states=return_hidden or bool(hidden_layers),
             logits_to_keep=torch.arange(len(tokens), device=device)

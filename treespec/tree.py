@@ -16,6 +16,7 @@ Pure structures: nothing here touches a model or device state beyond the tensors
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import numbers
@@ -124,6 +125,33 @@ def fit_dynamic_budget(
 
 
 @dataclass(frozen=True)
+class TreeHost:
+    """What the host knows of a :class:`TokenTree` without reading the device.
+
+    A proposer knows its trees' sizes (it chose them) and a bound on their depth, so the engine
+    lays out the step and bounds verification's walk from these, and reads the device once per
+    step (docs/architecture.md, "One read per step"). Trees built on the host (``from_lists``)
+    also carry their tokens and parents.
+
+    Fields (B requests, T nodes):
+        sizes      [B] nodes per request
+        max_depth  no node is deeper (an upper bound: exact for trees built on the host)
+        tokens     [T] or None; parents [T] or None (within each request, -1 at the root)
+        max_children  no node has more children (a bound; None: unknown, read when needed)
+    """
+
+    sizes: tuple[int, ...]
+    max_depth: int
+    tokens: tuple[int, ...] | None = None
+    parents: tuple[int, ...] | None = None
+    max_children: int | None = None
+
+    @property
+    def cu_nodes(self) -> list[int]:
+        return list(itertools.accumulate(self.sizes, initial=0))
+
+
+@dataclass(frozen=True)
 class TokenTree:
     """B requests' token trees, flattened back to back (vLLM's layout, no padding).
 
@@ -146,6 +174,7 @@ class TokenTree:
     cu_nodes: torch.Tensor
     tree_mask: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    host: TreeHost | None = field(default=None, compare=False)  # what the host knows; None: read it
 
     @property
     def num_requests(self) -> int:
@@ -156,15 +185,86 @@ class TokenTree:
         return len(self.tokens)
 
     def sizes(self) -> list[int]:
-        """Nodes per request (host sync)."""
+        """Nodes per request: from ``host`` when the builder gave it, else a host sync."""
+        if self.host is not None:
+            return list(self.host.sizes)
         return (self.cu_nodes[1:] - self.cu_nodes[:-1]).tolist()
+
+    def max_depth(self) -> int:
+        """No node is deeper: ``host``'s bound when the builder gave it, else a host sync."""
+        if self.host is not None:
+            return self.host.max_depth
+        return int(self.depth.max()) if self.num_nodes else 0
+
+    def max_children(self) -> int | None:
+        """No node has more children: ``host``'s bound when the builder gave it, else None."""
+        return None if self.host is None else self.host.max_children
 
     def to(self, device: torch.device | str) -> TokenTree:
         """The same tree with every tensor on ``device``."""
         probs = None if self.draft_probs is None else self.draft_probs.to(device)
         return TokenTree(
             self.tokens.to(device), self.parents.to(device), self.depth.to(device),
-            self.cu_nodes.to(device), self.tree_mask.to(device), probs,
+            self.cu_nodes.to(device), self.tree_mask.to(device), probs, self.host,
+        )  # fmt: skip
+
+    def select(self, members: Sequence[int]) -> TokenTree:
+        """The trees of requests ``members`` (in that order), as one TokenTree. Laid out from the
+        host's sizes: nothing is read from the device when the tree carries ``host``."""
+        members = list(members)
+        if members == list(range(self.num_requests)):
+            return self
+        sizes, cu = self.sizes(), list(itertools.accumulate(self.sizes(), initial=0))
+        rows = torch.tensor([i for m in members for i in range(cu[m], cu[m + 1])], dtype=torch.long)
+        rows = rows.to(self.tokens.device)
+        picked = [sizes[m] for m in members]
+        host = None
+        if self.host is not None:
+            own = self.host
+            host = TreeHost(
+                tuple(picked), own.max_depth,
+                None if own.tokens is None else tuple(own.tokens[i] for m in members for i in range(cu[m], cu[m + 1])),
+                None if own.parents is None else tuple(own.parents[i] for m in members for i in range(cu[m], cu[m + 1])),
+                own.max_children,
+            )  # fmt: skip
+        cu_nodes = torch.tensor(list(itertools.accumulate(picked, initial=0)), device=self.tokens.device)
+        probs = None if self.draft_probs is None else self.draft_probs[rows]
+        return TokenTree(
+            self.tokens[rows],
+            self.parents[rows],
+            self.depth[rows],
+            cu_nodes,
+            self.tree_mask[rows],
+            probs,
+            host,
+        )
+
+    @staticmethod
+    def concat(trees: Sequence[TokenTree]) -> TokenTree:
+        """Several TokenTrees' requests back to back, in order (masks padded to the widest)."""
+        width = max(t.tree_mask.shape[1] for t in trees)
+        mask = torch.cat(
+            [torch.nn.functional.pad(t.tree_mask, (0, width - t.tree_mask.shape[1])) for t in trees]
+        )
+        sizes = [n for t in trees for n in t.sizes()]
+        device = trees[0].tokens.device
+        cu_nodes = torch.tensor(list(itertools.accumulate(sizes, initial=0)), device=device)
+        probs = None
+        if all(t.draft_probs is not None for t in trees):
+            probs = torch.cat([t.draft_probs for t in trees])
+        hosts = [t.host for t in trees]
+        host = None
+        if all(h is not None for h in hosts):
+            known = all(h.tokens is not None and h.parents is not None for h in hosts)
+            host = TreeHost(
+                tuple(sizes), max(h.max_depth for h in hosts),
+                tuple(x for h in hosts for x in h.tokens) if known else None,
+                tuple(x for h in hosts for x in h.parents) if known else None,
+                None if any(h.max_children is None for h in hosts) else max(h.max_children for h in hosts),
+            )  # fmt: skip
+        return TokenTree(
+            torch.cat([t.tokens for t in trees]), torch.cat([t.parents for t in trees]),
+            torch.cat([t.depth for t in trees]), cu_nodes, mask, probs, host,
         )  # fmt: skip
 
     @classmethod
@@ -201,6 +301,10 @@ class TokenTree:
         flat_tokens = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long)
         if draft_probs is not None and draft_probs.shape[0] != len(flat_tokens):
             raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows for {len(flat_tokens)} nodes")
+        host = TreeHost(
+            tuple(len(t) for t in tokens), max(depth), tuple(t for toks in tokens for t in toks), tuple(flat_parents),
+            most_children(parents),
+        )  # fmt: skip
         return cls(
             flat_tokens,
             torch.tensor(flat_parents, dtype=torch.long),
@@ -208,9 +312,40 @@ class TokenTree:
             torch.tensor(cu, dtype=torch.long),
             mask,
             draft_probs,
+            host,
         )
 
     make_dummy = from_lists  # the name tests use, after vLLM's metadata classes
+
+    @classmethod
+    def from_parents(
+        cls, tokens: torch.Tensor, parents: Sequence[Sequence[int]], draft_probs: torch.Tensor | None = None
+    ) -> TokenTree:
+        """A tree whose structure the host knows and whose tokens live on the device (a drafter's
+        picks on a static shape): nothing is read from the device. The caller guarantees
+        distinct siblings (top-k picks, or draws without replacement).
+
+        Shape:
+            tokens [T] long on any device; parents: per request, its N_b parents (sum = T)
+        """
+        device = tokens.device
+        if sum(len(p) for p in parents) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens for trees of {[len(p) for p in parents]} nodes")
+        masks = [pack_ancestor_mask(list(p)) for p in parents]
+        width = max(m.shape[1] for m in masks)
+        mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+        depth: list[int] = []
+        for par in parents:
+            d: list[int] = []
+            for q in par:
+                d.append(0 if q < 0 else d[q] + 1)
+            depth += d
+        sizes = tuple(len(p) for p in parents)
+        flat_parents = [q for p in parents for q in p]
+        layout = torch.tensor([*itertools.accumulate(sizes, initial=0), *flat_parents, *depth]).to(device)
+        cu_nodes, flat, depth_t = layout.split([len(sizes) + 1, len(tokens), len(tokens)])
+        host = TreeHost(sizes, max(depth, default=0), None, tuple(flat_parents), most_children(parents))
+        return cls(tokens.long(), flat, depth_t, cu_nodes, mask.to(device), draft_probs, host)
 
     def validate(self) -> None:
         """Raise ValueError unless every invariant of the class docstring holds.
@@ -242,6 +377,28 @@ class TokenTree:
             raise ValueError("tree_mask is not the ancestor-and-self bitmask of the parents")
         if self.draft_probs is not None and self.draft_probs.shape[0] != num_nodes:
             raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for {num_nodes} nodes")
+
+
+def most_children(parents: Iterable[Sequence[int]]) -> int:
+    """The most children any node has, over trees given by their parent lists (0: roots alone)."""
+    counts = [collections.Counter(p for p in par if p >= 0) for par in parents]
+    return max((max(c.values(), default=0) for c in counts), default=0)
+
+
+def host_structure(trees: Sequence[TokenTree]) -> list[tuple[list[int], list[int], list[int]]]:
+    """(cu_nodes, tokens, parents) of each tree as host lists: from ``host`` where a tree carries
+    them, the rest read back together, in one host sync."""
+    missing = [t for t in trees if t.host is None or t.host.tokens is None or t.host.parents is None]
+    read = iter(torch.cat([torch.cat([t.tokens, t.parents]) for t in missing]).tolist() if missing else [])
+    out = []
+    for tree in trees:
+        if tree.host is not None and tree.host.tokens is not None and tree.host.parents is not None:
+            out.append((tree.host.cu_nodes, list(tree.host.tokens), list(tree.host.parents)))
+            continue
+        n = tree.num_nodes
+        tokens, parents = [next(read) for _ in range(n)], [next(read) for _ in range(n)]
+        out.append((list(itertools.accumulate(tree.sizes(), initial=0)), tokens, parents))
+    return out
 
 
 def _check_distinct_siblings(tokens: list[int], parents: list[int], request: int) -> None:
@@ -487,20 +644,50 @@ def _ancestors(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, tor
     return anc, depth
 
 
+def extend_ancestors(visible: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """Add K nodes to B forests' ancestor-and-self relations, on the device: a new node sees
+    itself and what its parent sees (parent -1: a root of the forest, it sees only itself).
+
+    Shape:
+        visible [B, N, N] bool, parents [B, K] long (indices < N, or -1) -> [B, N + K, N + K]
+    """
+    n, k = visible.shape[1], parents.shape[1]
+    grown = torch.nn.functional.pad(visible, (0, k, 0, k))
+    own = torch.eye(n + k, dtype=torch.bool, device=visible.device)[n:]  # [K, N+K]
+    if n == 0:  # the first level: every parent is a root
+        grown[:, n:] = own
+        return grown
+    inherited = grown[:, :n].gather(1, parents.clamp(min=0)[..., None].expand(-1, -1, n + k))  # [B, K, N+K]
+    grown[:, n:] = (inherited & (parents >= 0)[..., None]) | own
+    return grown
+
+
 def _pack_trees(
     tokens: torch.Tensor,  # [B, M] long
     parents: torch.Tensor,  # [B, M] long, within the request, -1 at node 0, parents before children
     max_depth: int,
     draft_probs: torch.Tensor | None = None,  # [B, M, V]
-) -> tuple[TokenTree, torch.Tensor]:
+    *,
+    distinct: bool = False,
+    max_children: int | None = None,
+) -> tuple[TokenTree, torch.Tensor | None]:
     """Deduplicate siblings, then flatten B trees of M candidate nodes into a TokenTree.
 
     A node repeating the token of an earlier sibling (lower index) is dropped with its whole
     subtree, so requests may end up with different sizes. Returns the tree and keep [B, M] bool.
-    Host syncs: the widest request (mask width) and boolean-mask flattening.
+    Host syncs: the widest request (mask width) and boolean-mask flattening. ``distinct``: the
+    caller guarantees distinct siblings (children taken from one top-k row): every tree keeps
+    its M nodes, nothing is read from the device, and keep is None.
     """
     num_trees, num_nodes = tokens.shape
     anc, depth = _ancestors(parents, max_depth)  # [B, M, M], [B, M]
+    if distinct:
+        host = TreeHost((num_nodes,) * num_trees, max_depth, max_children=max_children)
+        cu_nodes = torch.arange(num_trees + 1, device=tokens.device) * num_nodes
+        probs = None if draft_probs is None else draft_probs.flatten(0, 1)
+        mask = pack_bits(anc).flatten(0, 1)
+        flat = (tokens.flatten(), parents.flatten(), depth.flatten())
+        return TokenTree(*flat, cu_nodes, mask, probs, host), None
     earlier = torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=tokens.device).tril(-1)
     earlier_sibling = (parents[:, :, None] == parents[:, None, :]) & earlier  # [B, M(node), M(other)]
     duplicate = (earlier_sibling & (tokens[:, :, None] == tokens[:, None, :])).any(-1)  # [B, M]
@@ -525,6 +712,8 @@ def build_static_tree(
     root_tokens: torch.Tensor,
     candidates: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
+    *,
+    distinct: bool = False,
 ) -> TokenTree:
     """Put per-depth top-k candidates on a static shape, Medusa's way, for B requests at once.
 
@@ -536,6 +725,8 @@ def build_static_tree(
     Pass ``draft_probs`` only when each candidates row was *sampled* from it (without
     replacement, in rank order) and verify with ``mode="sampled"``: that rule is exact only then.
     Top-k candidates (Medusa) need none: the default ``deterministic`` rule is exact for them.
+    ``distinct``: every candidates row holds distinct tokens (a top-k), so nothing is dropped,
+    every request gets the whole shape, and nothing is read from the device.
 
     Shape:
         root_tokens [B] long, candidates [B, D, K] long with D >= shape.max_depth and
@@ -568,7 +759,8 @@ def build_static_tree(
             )
         rows = draft_probs[:, depth.clamp(max=num_depths - 1)]  # [B, N, V]
         rows = rows * (depth < num_depths)[None, :, None]  # nodes at depth D have no drafted children
-    return _pack_trees(tokens, parents, shape.max_depth, rows)[0]
+    widest = max(most_children([shape.parents]), 1)
+    return _pack_trees(tokens, parents, shape.max_depth, rows, distinct=distinct, max_children=widest)[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -627,6 +819,7 @@ def build_dynamic_tree(
     depth: int,
     num_nodes: int,
     return_scores: bool = False,
+    check: bool = True,
 ) -> TokenTree | tuple[TokenTree, torch.Tensor]:
     """Grow an EAGLE-2 dynamic tree for B requests at once; any draft head drives it via ``expand``.
 
@@ -653,8 +846,10 @@ def build_dynamic_tree(
     Shape:
         root_tokens [B] long, root_logprobs [B, V] -> TokenTree of num_nodes + 1 nodes per request;
         with return_scores, also scores [T] (cumulative draft log-prob per node, 0 at the root)
-    Ties between tokens of one distribution follow torch.topk. Host syncs: the ancestor check
-    and the flattening.
+    Ties between tokens of one distribution follow torch.topk. Siblings are distinct tokens of
+    one top-k, so every request keeps num_nodes + 1 nodes. Host syncs: one, the check that the
+    kept nodes are closed under ancestors; ``check=False`` skips it, for callers whose ``expand``
+    returns log-probs by construction (a log_softmax).
     """
     if root_tokens.dim() != 1 or root_logprobs.dim() != 2 or root_logprobs.shape[0] != root_tokens.shape[0]:
         raise ValueError(
@@ -677,9 +872,9 @@ def build_dynamic_tree(
     new_index.scatter_(1, kept, torch.arange(num_nodes + 1, device=kept.device).expand(batch, -1))
     parent_ids = pool_parents.gather(1, kept)
     parents = torch.where(parent_ids >= 0, new_index.gather(1, parent_ids.clamp(min=0)), NO_PARENT)
-    if not bool((kept[:, 0] == 0).all() & (parents[:, 1:] >= 0).all()):  # host sync
+    if check and not bool((kept[:, 0] == 0).all() & (parents[:, 1:] >= 0).all()):  # host sync
         raise ValueError("kept nodes are not closed under ancestors: expand must return log-probs (<= 0)")
-    tree, keep = _pack_trees(pool_tokens.gather(1, kept), parents, depth)
+    tree, _ = _pack_trees(pool_tokens.gather(1, kept), parents, depth, distinct=True, max_children=top_k)
     if return_scores:
-        return tree, pool_scores.gather(1, kept)[keep]
+        return tree, pool_scores.gather(1, kept).flatten()
     return tree

@@ -37,7 +37,7 @@ from typing import Literal
 
 import torch
 
-from treespec.sampling import SamplingParams, logits_to_probs, sample_from_uniforms
+from treespec.sampling import SamplingParams, argmax, logits_to_probs, reads_are_free, sample_from_uniforms
 from treespec.tree import TokenTree
 
 Mode = Literal["greedy", "deterministic", "sampled", "typical"]
@@ -49,35 +49,63 @@ _TINY = 1e-30  # keeps a renormalisation finite when a residual is (numerically)
 
 @dataclass(frozen=True)
 class VerifyOutput:
-    """What the target keeps of each request's tree.
+    """What the target keeps of each request's tree, on the device.
 
-    Shapes (B requests, A = total kept nodes):
-        accepted_nodes [A] long   per request, the root then each accepted node, in path order;
-                                  indices within the request's own tree
-        cu_accepted    [B+1] long request b owns accepted_nodes[cu_accepted[b]:cu_accepted[b+1]]
-        num_accepted   [B] long   accepted drafted tokens (the root not counted)
-        bonus_tokens   [B] long   the target's own token after the last accepted node
+    Shapes (B requests, D = the trees' depth bound, ``TokenTree.max_depth``):
+        paths         [B, D+1] long per request, the root (0) then each accepted node in path
+                                order, as indices within the request's own tree; NO_NODE after
+        num_accepted  [B] long     accepted drafted tokens (the root not counted)
+        bonus_tokens  [B] long     the target's own token after the last accepted node
+
+    The padded form needs no host sync to build; ``accepted_nodes`` / ``cu_accepted`` are the
+    ragged view, and ``readback_table`` what the engine reads back, once per step.
     """
 
-    accepted_nodes: torch.Tensor
-    cu_accepted: torch.Tensor
+    paths: torch.Tensor
     num_accepted: torch.Tensor
     bonus_tokens: torch.Tensor
 
+    @property
+    def accepted_nodes(self) -> torch.Tensor:
+        """[A] per request, the root then its accepted nodes, back to back (a host sync on a GPU)."""
+        return self.paths[self.paths >= 0]
+
+    @property
+    def cu_accepted(self) -> torch.Tensor:
+        """[B+1] request b owns accepted_nodes[cu_accepted[b]:cu_accepted[b+1]]."""
+        cu = self.num_accepted.new_zeros(len(self.num_accepted) + 1)
+        cu[1:] = (self.num_accepted + 1).cumsum(0)
+        return cu
+
+    def readback_table(self, tree: TokenTree) -> torch.Tensor:
+        """[B, 2 (D+1)] long, on the device: the paths, then the committed tokens (the accepted
+        drafted tokens, then the bonus; -1 after). :func:`parse_readback` reads it on the host."""
+        starts = tree.cu_nodes[:-1, None]
+        nodes = self.paths[:, 1:]
+        drafted = torch.where(
+            nodes >= 0, tree.tokens[(nodes + starts).clamp(0, max(tree.num_nodes - 1, 0))], -1
+        )
+        committed = torch.cat([drafted, drafted.new_full((len(drafted), 1), -1)], 1)
+        committed.scatter_(1, self.num_accepted[:, None], self.bonus_tokens[:, None])
+        return torch.cat([self.paths, committed], 1)
+
     def committed_tokens(self, tree: TokenTree) -> list[list[int]]:
         """Per request: the accepted drafted tokens, then the bonus (host sync)."""
-        starts = tree.cu_nodes[:-1]
-        request = torch.repeat_interleave(
-            torch.arange(len(self.num_accepted), device=starts.device), self.num_accepted + 1
-        )
-        tokens = tree.tokens[self.accepted_nodes + starts[request]].tolist()
-        cu, bonus = self.cu_accepted.tolist(), self.bonus_tokens.tolist()
-        return [tokens[cu[b] + 1 : cu[b + 1]] + [bonus[b]] for b in range(len(bonus))]
+        return [tokens for _, tokens in parse_readback(self.readback_table(tree).tolist())]
 
     def accepted_lists(self) -> list[list[int]]:
         """Per request, the kept node indices (root first), as the KV cache's commit wants them."""
-        nodes, cu = self.accepted_nodes.tolist(), self.cu_accepted.tolist()
-        return [nodes[cu[b] : cu[b + 1]] for b in range(len(cu) - 1)]
+        return [[n for n in row if n >= 0] for row in self.paths.tolist()]
+
+
+def parse_readback(rows: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """Host lists of :meth:`VerifyOutput.readback_table`: per request (kept nodes, committed tokens)."""
+    out = []
+    for row in rows:
+        width = len(row) // 2
+        nodes = [n for n in row[:width] if n >= 0]
+        out.append((nodes, row[width : width + len(nodes)]))
+    return out
 
 
 def verify(
@@ -188,7 +216,9 @@ def _check_finite(logits: torch.Tensor, tree: TokenTree, name: str) -> None:
 def _node_requests(tree: TokenTree) -> torch.Tensor:
     """[T] request index of each node."""
     return torch.repeat_interleave(
-        torch.arange(tree.num_requests, device=tree.tokens.device), tree.cu_nodes.diff()
+        torch.arange(tree.num_requests, device=tree.tokens.device),
+        tree.cu_nodes.diff(),
+        output_size=tree.num_nodes,
     )
 
 
@@ -198,67 +228,50 @@ def _global_parents(tree: TokenTree, root_fill: int = NO_NODE) -> torch.Tensor:
 
 
 def children_table(tree: TokenTree) -> torch.Tensor:
-    """[T, C] global indices of each node's children in node order, NO_NODE-padded."""
+    """[T, C] global indices of each node's children in node order, NO_NODE-padded.
+
+    C is the tree's ``max_children`` bound when its builder gave one (nothing is read from the
+    device), else the widest node's count (one host sync)."""
     num_nodes = tree.num_nodes
     global_parent = _global_parents(tree)
-    child = (global_parent >= 0).nonzero().squeeze(-1)  # children, already in node order
-    parent_of_child = global_parent[child]
-    # Rank among siblings: position minus the first position of the same parent (sorted stably).
-    order = torch.argsort(parent_of_child, stable=True)
-    child, parent_of_child = child[order], parent_of_child[order]
-    first = torch.searchsorted(parent_of_child, parent_of_child)
-    rank = torch.arange(len(child), device=child.device) - first
-    width = int(rank.max()) + 1 if len(child) else 1
-    table = torch.full((num_nodes, width), NO_NODE, dtype=torch.long, device=child.device)
-    table[parent_of_child, rank] = child
-    return table
+    key = torch.where(global_parent >= 0, global_parent, num_nodes)  # roots sort last, to a spare row
+    # Rank among siblings: position minus the first position of the same parent (sorted stably,
+    # so siblings keep node order).
+    order = torch.argsort(key, stable=True)
+    parent_of = key[order]
+    rank = torch.arange(num_nodes, device=key.device) - torch.searchsorted(parent_of, parent_of)
+    width = tree.max_children()
+    if width is None:
+        width = int(torch.where(parent_of < num_nodes, rank, -1).max()) + 1 if num_nodes else 0
+    width = max(width, 1)
+    table = torch.full((num_nodes + 1, width + 1), NO_NODE, dtype=torch.long, device=key.device)
+    table[parent_of, rank.clamp(max=width)] = order  # roots land in the spare row
+    return table[:num_nodes, :width]
 
 
 def _verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> VerifyOutput:
-    """Walk down, moving to the child whose token is the target's argmax at the current node.
+    """Accept each node whose token is the target's argmax at its parent, if its parent was
+    accepted; the deepest accepted node ends the path, and its argmax is the bonus.
 
-    The walk runs on the host. On a CPU each visited node's row is reduced when the walk reaches
-    it (a few rows per request); elsewhere every row is reduced at once and moved to the host in
-    one synchronisation. Either way a step no longer pays a dozen small tensor operations per
-    level (about 1 ms per step on a CPU before)."""
-    if target_logits.device.type == "cpu":
-        rows: dict[int, int] = {}
-
-        def argmax(row: int) -> int:
-            if row not in rows:
-                rows[row] = int(target_logits[row].argmax())
-            return rows[row]
-    else:
-        every = target_logits.argmax(-1).tolist()  # host sync
-
-        def argmax(row: int) -> int:
-            return every[row]
-
-    tokens, parents, cu = tree.tokens.tolist(), tree.parents.tolist(), tree.cu_nodes.tolist()
-    accepted: list[int] = []
-    num_accepted: list[int] = []
-    bonus: list[int] = []
-    for b in range(len(cu) - 1):
-        start, end = cu[b], cu[b + 1]
-        children: dict[tuple[int, int], int] = {}  # (parent, token) -> first such child, node order
-        for j in range(1, end - start):
-            children.setdefault((parents[start + j], tokens[start + j]), j)
-        path = [0]
-        while (path[-1], argmax(start + path[-1])) in children:
-            path.append(children[(path[-1], argmax(start + path[-1]))])
-        accepted.extend(path)
-        num_accepted.append(len(path) - 1)
-        bonus.append(argmax(start + path[-1]))
-    device = target_logits.device
-    cu_accepted = [0]
-    for n in num_accepted:
-        cu_accepted.append(cu_accepted[-1] + n + 1)
-    return VerifyOutput(
-        torch.tensor(accepted, dtype=torch.long, device=device),
-        torch.tensor(cu_accepted, dtype=torch.long, device=device),
-        torch.tensor(num_accepted, dtype=torch.long, device=device),
-        torch.tensor(bonus, dtype=torch.long, device=device),
-    )
+    Siblings carry distinct tokens, so at most one child of a node matches and the accepted
+    nodes are one path from the root: each sits in the path's column of its depth. On the
+    device, one pass per level of the tree's depth bound: nothing is read back (the engine reads
+    the result once per step)."""
+    best = argmax(target_logits)  # [T]
+    parent = _global_parents(tree).clamp(min=0)  # a root points at itself
+    match = (tree.parents < 0) | (tree.tokens == best[parent])
+    kept = match
+    for _ in range(tree.max_depth()):
+        kept = match & kept[parent]
+    request = _node_requests(tree)
+    width = tree.max_depth() + 1
+    local = torch.arange(tree.num_nodes, device=kept.device) - tree.cu_nodes[request]
+    paths = torch.full((tree.num_requests, width + 1), NO_NODE, dtype=torch.long, device=kept.device)
+    paths[request, torch.where(kept, tree.depth, width)] = local  # the rest lands in a spare column
+    paths = paths[:, :width]
+    num_accepted = (paths >= 0).sum(1) - 1
+    last = tree.cu_nodes[:-1] + paths.gather(1, num_accepted[:, None])[:, 0]
+    return VerifyOutput(paths, num_accepted, best[last])
 
 
 def _deepest_kept(tree: TokenTree, kept: torch.Tensor, request: torch.Tensor) -> torch.Tensor:
@@ -268,27 +281,25 @@ def _deepest_kept(tree: TokenTree, kept: torch.Tensor, request: torch.Tensor) ->
     best = torch.full((tree.num_requests,), -1, dtype=torch.long, device=kept.device).scatter_reduce(
         0, request, score, "amax"
     )
-    is_best = kept & (score == best[request])
-    return torch.zeros_like(best).scatter(0, request[is_best], index[is_best])
+    return tree.num_nodes - 1 - best % tree.num_nodes  # the score's node, decoded (roots are kept: best >= 0)
 
 
 def _finish(tree: TokenTree, last: torch.Tensor, bonus: torch.Tensor) -> VerifyOutput:
-    """Paths from each root to ``last [B]`` (global indices) -> the ragged output."""
-    starts = tree.cu_nodes[:-1]
+    """Paths from each root to ``last [B]`` (global indices) -> the padded output, on the device."""
+    batch, width = tree.num_requests, tree.max_depth() + 1
     num_accepted = tree.depth[last]
-    max_len = int(num_accepted.max()) + 1
-    path = torch.full((tree.num_requests, max_len), NO_NODE, dtype=torch.long, device=last.device)
+    rows = torch.arange(batch, device=last.device)
+    path = torch.full((batch, width + 1), NO_NODE, dtype=torch.long, device=last.device)  # last: a spare
     node = last.clone()
     global_parent = _global_parents(tree)
-    for _ in range(max_len):  # walk up from the last node, writing depths from the bottom
+    for _ in range(width):  # walk up from the last node, writing depths from the bottom
         live = node >= 0
-        path[live, tree.depth[node[live]]] = node[live]
-        node = torch.where(live, global_parent[node.clamp(min=0)], NO_NODE)
-    keep = path >= 0
-    accepted = (path - starts[:, None])[keep]
-    cu = torch.zeros(tree.num_requests + 1, dtype=torch.long, device=last.device)
-    cu[1:] = (num_accepted + 1).cumsum(0)
-    return VerifyOutput(accepted, cu, num_accepted, bonus)
+        at = node.clamp(min=0)
+        path[rows, torch.where(live, tree.depth[at], width)] = torch.where(live, node, NO_NODE)
+        node = torch.where(live, global_parent[at], NO_NODE)
+    path = path[:, :width]
+    local = torch.where(path >= 0, path - tree.cu_nodes[:-1, None], NO_NODE)
+    return VerifyOutput(local, num_accepted, bonus)
 
 
 def _verify_stochastic(
@@ -301,44 +312,48 @@ def _verify_stochastic(
 ) -> VerifyOutput:
     """Recursive rejection sampling down the tree (see the module doc).
 
-    One pass per tree level over the requests still walking; within it, siblings in order, and
-    full-vocabulary work only on the rows that are trying a child. Host syncs: a few per sibling.
-    """
-    children = children_table(tree)
+    One pass per level of the tree's depth bound, every request in each (a request whose walk
+    has ended only masks its rows); within a level, siblings in rank order. Fixed shapes and
+    masks instead of compaction, so nothing is read from the device. Where reads are free (a
+    CPU: :func:`treespec.sampling.reads_are_free`) the loops stop once no request walks or tries
+    a child: the same results, without the passes that would change nothing."""
+    children = children_table(tree)  # [T, C]
     current = tree.cu_nodes[:-1].clone()  # [B] global index of each request's current node
     bonus = torch.zeros_like(current)
-    live = torch.arange(tree.num_requests, device=current.device)  # requests still walking
-    while len(live):
-        node = current[live]  # [L]
-        target_probs = logits_to_probs(target_logits[node], params)  # [L, V]
+    walking = torch.ones_like(current, dtype=torch.bool)
+    stop_early = reads_are_free(current.device)
+    for _ in range(tree.max_depth() + 1):  # a walk ends at a leaf by then
+        if stop_early and not bool(walking.any()):
+            break
+        node = current
+        target_probs = logits_to_probs(target_logits[node], params)  # [B, V]
         draft_probs = tree.draft_probs[node].float() if sampled_children else None
         next_node = torch.full_like(node, NO_NODE)
         for rank in range(children.shape[1]):
             child = children[node, rank]
-            trying = ((child >= 0) & (next_node < 0)).nonzero().squeeze(-1)  # rows of `live`
-            if not len(trying):
+            trying = walking & (child >= 0) & (next_node < 0)
+            if stop_early and not bool(trying.any()):
                 break
-            child = child[trying]
-            token = tree.tokens[child]
-            p_x = target_probs[trying, token]
+            at = child.clamp(min=0)
+            token = tree.tokens[at]
+            p_x = target_probs.gather(1, token[:, None])[:, 0]
             if sampled_children:
-                accept_prob = (p_x / draft_probs[trying, token].clamp(min=_TINY)).clamp(max=1.0)
+                q_x = draft_probs.gather(1, token[:, None])[:, 0]
+                accept_prob = (p_x / q_x.clamp(min=_TINY)).clamp(max=1.0)
             else:
                 accept_prob = p_x
-            accepted = uniforms[child, 0] < accept_prob
-            next_node[trying[accepted]] = child[accepted]
-            rejected = trying[~accepted]
-            if len(rejected):
-                q_rows = None if draft_probs is None else draft_probs[rejected]
-                p_rows, q_rows = _residual(target_probs[rejected], q_rows, token[~accepted])
-                target_probs[rejected] = p_rows
-                if draft_probs is not None:
-                    draft_probs[rejected] = q_rows
-        stopping = next_node < 0
-        recovered = sample_from_uniforms(target_probs[stopping], uniforms[node[stopping], 1])
-        bonus[live[stopping]] = recovered
-        current[live[~stopping]] = next_node[~stopping]
-        live = live[~stopping]
+            accepted = trying & (uniforms[at, 0] < accept_prob)
+            next_node = torch.where(accepted, child, next_node)
+            rejected = (trying & ~accepted)[:, None]
+            p_rows, q_rows = _residual(target_probs, draft_probs, token)
+            target_probs = torch.where(rejected, p_rows, target_probs)
+            if draft_probs is not None:
+                draft_probs = torch.where(rejected, q_rows, draft_probs)
+        stopping = walking & (next_node < 0)
+        recovered = sample_from_uniforms(target_probs, uniforms[node, 1])
+        bonus = torch.where(stopping, recovered, bonus)
+        current = torch.where(walking & ~stopping, next_node, current)
+        walking = walking & ~stopping
     return _finish(tree, current, bonus)
 
 
@@ -386,7 +401,7 @@ def _verify_typical(
     global_parent = _global_parents(tree, root_fill=0)
     passes = (tree.parents < 0) | (target_probs[global_parent, tree.tokens] > threshold[global_parent])
     kept = tree.parents < 0
-    for _ in range(int(tree.depth.max())):
+    for _ in range(tree.max_depth()):
         kept = kept | (passes & kept[global_parent])
     last = _deepest_kept(tree, kept, request)
     bonus = sample_from_uniforms(target_probs[last], uniforms[last, 1])

@@ -21,6 +21,7 @@ rule, with ``draft_probs`` on the tree). At temperature 0 children are always th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -39,8 +40,10 @@ from treespec.tree import (
     build_dynamic_tree,
     chain,
     dynamic_capacity,
+    extend_ancestors,
     fit_dynamic_budget,
     pack_ancestor_mask,
+    pack_bits,
 )
 
 
@@ -121,33 +124,32 @@ class DraftModelProposer(Proposer):
             return self._propose_dynamic(requests)
         root_logits = self._catch_up(requests)  # [B, V]
         shapes = [self.shape.cut(max(0, r.max_new - 1)) for r in requests]
-        tokens = [[r.tokens[-1]] for r in requests]
+        device = root_logits.device
+        # Per request, its nodes' tokens so far as device tensors (the root first) and their count:
+        # the shape is the host's, the picks stay on the device.
+        tokens = [[torch.tensor([r.tokens[-1]], device=device)] for r in requests]
+        counts = [1] * len(requests)
         probs: list[list[torch.Tensor]] = [[] for _ in requests]  # per node: the dist. its children came from
         level_logits = root_logits[:, None]  # [B, nodes at the current depth, V]
         for depth in range(1, self.shape.max_depth + 1):
-            frontier = [
-                [n for n in range(len(tokens[b])) if shapes[b].depth[n] == depth - 1]
-                for b in range(len(requests))
-            ]
             for b, request in enumerate(requests):
-                paths = (
-                    tree_paths(tokens[b], shapes[b].parents[: len(tokens[b])])
-                    if request.sampling.has_processors
-                    else None
-                )
-                for slot_in_level, node in enumerate(frontier[b]):
+                frontier = [n for n in range(counts[b]) if shapes[b].depth[n] == depth - 1]
+                paths = None
+                if request.sampling.has_processors:  # host sync: processors read the paths' tokens
+                    paths = tree_paths(torch.cat(tokens[b]).tolist(), shapes[b].parents[: counts[b]])
+                for slot_in_level, node in enumerate(frontier):
                     children = [c for c in range(shapes[b].num_nodes) if shapes[b].parents[c] == node]
                     logits = level_logits[b][slot_in_level]
                     if paths is not None:  # the request's processors, on this node's path
                         logits = process_draft(logits[None], [request], [0], [paths[node]])[0]
                     dist = self._distribution(logits, request)
                     probs[b].append(dist)
-                    picks = self._pick(dist, len(children), request)
-                    tokens[b] += picks.tolist()
+                    tokens[b].append(self._pick(dist, len(children), request))
+                    counts[b] += len(children)
             if not any(shape.max_depth > depth for shape in shapes):
                 break  # no request grows deeper
-            level_logits = self._score_level(requests, tokens, shapes, depth)
-        return self._tree(requests, tokens, shapes, probs)
+            level_logits = self._score_level(requests, [torch.cat(t) for t in tokens], shapes, depth)
+        return self._tree(requests, [torch.cat(t) for t in tokens], shapes, probs)
 
     def _propose_dynamic(self, requests: list[ProposalRequest]) -> TokenTree:
         """EAGLE-2 growth driven by the draft: ``expand`` scores every frontier node so far as a
@@ -182,7 +184,9 @@ class DraftModelProposer(Proposer):
                 ).view(log_probs.shape)
             return log_probs
 
-        return build_dynamic_tree(roots, root_logprobs, expand, top_k=top_k, depth=depth, num_nodes=num_nodes)
+        return build_dynamic_tree(  # expand returns log_softmax outputs: no need to check them
+            roots, root_logprobs, expand, top_k=top_k, depth=depth, num_nodes=num_nodes, check=False
+        )
 
     def _score_levels(self, requests, levels) -> torch.Tensor:
         """Draft logits at the newest frontier [B, K, V]: every frontier node so far goes
@@ -192,16 +196,14 @@ class DraftModelProposer(Proposer):
         k = levels[0][0].shape[1]
         device = levels[0][0].device
         tokens = torch.cat([level_tokens for level_tokens, _ in levels], dim=1)  # [B, L * K]
-        parent_rows = [
-            torch.where(slots >= 0, (level - 1) * k + slots, NO_PARENT)
-            for level, (_, slots) in enumerate(levels)
-        ]
-        parents = torch.cat(parent_rows, dim=1).tolist()  # host sync: the mask is built on the host
         batch, num_run = tokens.shape
-        slots = torch.tensor([self._slot[r.request_id] for r in requests], device=device)
+        visible = torch.zeros(batch, 0, 0, dtype=torch.bool, device=device)  # the forest, on the device
+        for level, (_, slots) in enumerate(levels):
+            visible = extend_ancestors(visible, torch.where(slots >= 0, (level - 1) * k + slots, NO_PARENT))
+        slots = [self._slot[r.request_id] for r in requests]
         logits = self._forward(
-            tokens.flatten(), self.cache, torch.arange(batch + 1, device=device) * num_run, slots,
-            tree_mask=torch.cat([pack_ancestor_mask(p, forest=True) for p in parents]).to(device),
+            tokens.flatten(), self.cache, [num_run * b for b in range(batch + 1)], slots,
+            tree_mask=pack_bits(visible).flatten(0, 1),
             depth=(torch.arange(num_run, device=device) // k).repeat(batch),
             logit_rows=(torch.arange(batch, device=device)[:, None] * num_run + num_run - k + torch.arange(k, device=device)).flatten(),
         )  # fmt: skip
@@ -235,11 +237,11 @@ class DraftModelProposer(Proposer):
             cached = self.cache.lengths[self._slot[request.request_id]]
             chunks.append(request.tokens[cached:])
         device = self.draft.device
-        cu = torch.tensor([0] + [len(c) for c in chunks], device=device).cumsum(0)
+        cu = list(itertools.accumulate((len(c) for c in chunks), initial=0))
         slots = [self._slot[r.request_id] for r in requests]
         logits = self._forward(
-            torch.tensor([t for c in chunks for t in c], device=device), self.cache, cu,
-            torch.tensor(slots, device=device), logit_rows=cu[1:] - 1,
+            torch.tensor([t for c in chunks for t in c], device=device), self.cache, cu, slots,
+            logit_rows=torch.tensor(cu[1:], device=device) - 1,
         )  # fmt: skip
         self.cache.commit(slots, [range(len(c)) for c in chunks])
         return logits
@@ -247,21 +249,17 @@ class DraftModelProposer(Proposer):
     def _score_level(self, requests, tokens, shapes, depth) -> list[torch.Tensor]:
         """Run every drafted node so far (a forest under the cached root); logits of the deepest level."""
         device = self.draft.device
-        forests = [tokens[b][1:] for b in range(len(requests))]
+        forests = [tokens[b][1:] for b in range(len(requests))]  # device tensors; structure on the host
         parents = [[p - 1 for p in shapes[b].parents[1 : len(tokens[b])]] for b in range(len(requests))]
         depths = [[d - 1 for d in shapes[b].depth[1 : len(tokens[b])]] for b in range(len(requests))]
         sizes = [len(f) for f in forests]
-        cu = torch.tensor([0] + sizes, device=device).cumsum(0)
+        cu = list(itertools.accumulate(sizes, initial=0))
         width = max(1, -(-max(sizes) // BITS_PER_WORD))
         mask = torch.cat([pack_ancestor_mask(p, forest=True, num_words=width) for p in parents if p])
         slots = [self._slot[r.request_id] for r in requests]
-        starts = cu[:-1].tolist()
-        rows = [
-            starts[b] + i for b in range(len(requests)) for i, d in enumerate(depths[b]) if d == depth - 1
-        ]
+        rows = [cu[b] + i for b in range(len(requests)) for i, d in enumerate(depths[b]) if d == depth - 1]
         logits = self._forward(
-            torch.tensor([t for f in forests for t in f], device=device), self.cache, cu,
-            torch.tensor(slots, device=device), tree_mask=mask.to(device),
+            torch.cat(forests), self.cache, cu, slots, tree_mask=mask.to(device),
             depth=torch.tensor([d for ds in depths for d in ds], device=device),
             logit_rows=torch.tensor(rows, device=device),
         )  # fmt: skip
@@ -295,7 +293,7 @@ class DraftModelProposer(Proposer):
             for b in range(len(requests)):
                 rows += probs[b] + [probs[b][0].new_zeros(self.vocab_size)] * (len(tokens[b]) - len(probs[b]))
             draft_probs = torch.stack(rows)
-        return TokenTree.from_lists(tokens, parents, draft_probs=draft_probs).to(self.draft.device)
+        return TokenTree.from_parents(torch.cat(tokens), parents, draft_probs=draft_probs)
 
 
 def check_same_vocabulary(target_model: PreTrainedModel, draft_model: PreTrainedModel) -> None:

@@ -22,6 +22,7 @@ so the deterministic-children rule verifies them losslessly at any temperature.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -40,8 +41,9 @@ from treespec.tree import (
     TokenTree,
     build_dynamic_tree,
     dynamic_capacity,
+    extend_ancestors,
     fit_dynamic_budget,
-    pack_ancestor_mask,
+    pack_bits,
 )
 
 
@@ -172,14 +174,11 @@ class EagleProposer(Proposer):
         depths = [min(self.depth, r.max_new - 1) for r in requests]
         if len(set(depths)) == 1:
             return self._draft(requests, root_features, depths[0])
-        trees: list[tuple[list[int], list[int]] | None] = [None] * len(requests)
-        for depth in sorted(set(depths)):
-            members = [b for b, d in enumerate(depths) if d == depth]
-            tree = self._draft([requests[b] for b in members], root_features[members], depth)
-            cu = tree.cu_nodes.tolist()
-            for i, b in enumerate(members):
-                trees[b] = (tree.tokens[cu[i] : cu[i + 1]].tolist(), tree.parents[cu[i] : cu[i + 1]].tolist())
-        return TokenTree.from_lists([t[0] for t in trees], [t[1] for t in trees])
+        groups = [[b for b, d in enumerate(depths) if d == depth] for depth in sorted(set(depths))]
+        trees = [self._draft([requests[b] for b in members], root_features[members], depths[members[0]])
+                 for members in groups]  # fmt: skip
+        order = [b for members in groups for b in members]  # request order -> its place in `trees`
+        return TokenTree.concat(trees).select(sorted(range(len(order)), key=order.__getitem__))
 
     def _reduced_readout(
         self, readout_ids: Sequence[int] | torch.Tensor, config, target_vocab: int, backend: str
@@ -213,8 +212,9 @@ class EagleProposer(Proposer):
             root_logprobs = process_draft(root_logprobs, requests, range(len(requests)), [[]] * len(requests))
             paths: list[list[list[int]]] = []  # per expansion: per request, per frontier slot
         device = root_features.device
-        slots = torch.tensor([self._slot[i] for i in ids], device=device)
-        drafted_parents: list[list[int]] = [[] for _ in ids]  # per request, per node run: parent's run index
+        slots = [self._slot[i] for i in ids]
+        # Per request, the ancestor-and-self relation among the nodes run so far [B, N, N]
+        drafted = [torch.zeros(len(ids), 0, 0, dtype=torch.bool, device=device)]
         outputs: list[torch.Tensor] = []  # per expansion: the head's outputs [B, K, H]
 
         def expand(step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
@@ -226,7 +226,7 @@ class EagleProposer(Proposer):
                 )
             # Frontier nodes keep the same slot layout in every request, but their parents differ.
             run_parents = torch.where(parent_slots >= 0, (step - 2) * k + parent_slots, NO_PARENT)  # [B, K]
-            h = self._run_level(slots, frontier_tokens, features, drafted_parents, run_parents, step)
+            h = self._run_level(slots, frontier_tokens, features, drafted, run_parents, step)
             outputs.append(h)
             log_probs = self._log_probs(h.flatten(0, 1))
             if processed:
@@ -240,38 +240,35 @@ class EagleProposer(Proposer):
             return log_probs.view(len(ids), k, -1)
 
         roots = torch.tensor([r.tokens[-1] for r in requests], device=device)
-        return build_dynamic_tree(roots, root_logprobs, expand, top_k=k, depth=depth, num_nodes=num_nodes)
+        return build_dynamic_tree(  # expand returns log_softmax outputs: no need to check them
+            roots, root_logprobs, expand, top_k=k, depth=depth, num_nodes=num_nodes, check=False
+        )
 
     def _run_level(
         self,
-        slots: torch.Tensor,
+        slots: list[int],
         tokens: torch.Tensor,
         features: torch.Tensor,
-        drafted_parents: list[list[int]],
+        drafted: list[torch.Tensor],
         run_parents: torch.Tensor,
         step: int,
     ) -> torch.Tensor:
         """Run one expansion's frontier [B, K] through the head, on top of the committed context
         and the frontier nodes of the earlier expansions (their K/V already written past it).
 
-        ``drafted_parents[b]`` lists, for every node run so far for request b, its parent's run
-        index (-1: the root, i.e. the context); ``run_parents [B, K]`` extends it by this level.
-        Run node j sits at depth j // K + 1: sequence position L + j // K. Returns the head's
-        outputs [B, K, H]."""
+        ``drafted[-1] [B, N, N]`` is, per request, the ancestor-and-self relation among the N
+        nodes run so far (the context is every node's ancestor and not in it); ``run_parents
+        [B, K]`` (each new node's parent's run index, -1: the root) extends it by this level, on
+        the device. Run node j sits at depth j // K + 1: sequence position L + j // K. Returns
+        the head's outputs [B, K, H]."""
         batch, k = tokens.shape
-        for b, parents in enumerate(run_parents.tolist()):  # host sync: the mask is built on the host
-            drafted_parents[b].extend(parents)
         device = tokens.device
         num_drafted = step * k  # all nodes run this step so far, this level's the last k
-        mask = torch.cat([pack_ancestor_mask(parents, forest=True) for parents in drafted_parents])
+        drafted.append(extend_ancestors(drafted[-1], run_parents))
+        mask = pack_bits(drafted[-1]).flatten(0, 1)  # [B * N, W]
         depth = torch.arange(num_drafted, device=device) // k
         meta = StepMetadata.build(
-            self.cache,
-            torch.arange(batch + 1, dtype=torch.int32, device=device) * num_drafted,
-            slots,
-            mask.to(device),
-            depth.repeat(batch),
-            backend=self.backend,
+            self.cache, [num_drafted] * batch, slots, mask, depth.repeat(batch), backend=self.backend
         )
         new_rows = (
             torch.arange(batch, device=device)[:, None] * num_drafted
@@ -309,9 +306,8 @@ class EagleProposer(Proposer):
             features += [hidden for _, hidden in pairs]
             counts.append(sum(len(chunk) for chunk, _ in pairs))
         device = self.head.fc.weight.device
-        slots = torch.tensor([self._slot[rid] for rid in request_ids], device=device)
-        cu_q = torch.tensor([0, *counts], device=device).cumsum(0).to(torch.int32)
-        meta = StepMetadata.build(self.cache, cu_q, slots, backend=self.backend)
+        slots = [self._slot[rid] for rid in request_ids]
+        meta = StepMetadata.build(self.cache, counts, slots, backend=self.backend)
 
         def attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             meta.write(0, key, value)
@@ -325,5 +321,6 @@ class EagleProposer(Proposer):
             meta.q_positions.long(),
             attention,
         )
-        self.cache.commit(slots.tolist(), [list(range(n)) for n in counts])
-        return h[(cu_q[1:] - 1).long()]
+        self.cache.commit(slots, [list(range(n)) for n in counts])
+        last = torch.tensor(list(itertools.accumulate(counts)), device=device) - 1
+        return h[last]

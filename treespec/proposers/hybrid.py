@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from treespec.proposers.base import ProposalRequest, Proposer, RequestResult, StepResult
-from treespec.tree import TokenTree
+from treespec.tree import TokenTree, host_structure
 
 
 class HybridProposer(Proposer):
@@ -45,7 +45,7 @@ class HybridProposer(Proposer):
 
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
         trees = [p.propose(requests) for p in self.proposers]
-        own = [(tree.cu_nodes.tolist(), tree.tokens.tolist(), tree.parents.tolist()) for tree in trees]
+        own = host_structure(trees)  # at most one host sync, for the members that draft on the device
         merged_tokens, merged_parents = [], []
         for b, request in enumerate(requests):
             tokens, parents = [request.tokens[-1]], [-1]

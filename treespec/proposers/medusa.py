@@ -99,7 +99,7 @@ class MedusaProposer(Proposer):
         if self.dynamic is not None:
             return self._dynamic(roots, logits[:, :depth], depth)
         candidates = logits.topk(shape.max_rank + 1, dim=-1).indices  # [B, K, k] distinct per row
-        return build_static_tree(shape, roots, candidates)
+        return build_static_tree(shape, roots, candidates, distinct=True)
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
         """Dynamic trees only: at most ``num_nodes`` drafted nodes from the next step on (at most
@@ -117,8 +117,8 @@ class MedusaProposer(Proposer):
             return logprobs[:, step, None].expand(-1, top_k, -1)  # head `step` under every frontier node
 
         num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
-        return build_dynamic_tree(
-            roots, logprobs[:, 0], expand, top_k=top_k, depth=depth, num_nodes=num_nodes
+        return build_dynamic_tree(  # log_softmax outputs: no need to check them
+            roots, logprobs[:, 0], expand, top_k=top_k, depth=depth, num_nodes=num_nodes, check=False
         )
 
     def observe(self, result: StepResult) -> None:

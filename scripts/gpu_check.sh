@@ -11,28 +11,31 @@
 #   preflight  30  the default model's head layout (9/3 heads, D 64) through the Triton kernel and
 #                  Target(attention_backend="triton"), against the reference: if it fails, the
 #                  script stops there (GPU_CHECK_KEEP_GOING=1: it goes on)
-#   kernels   120  the kernel at real models' layouts against the float64 plain reference
+#   kernels   110  the kernel at real models' layouts against the float64 plain reference
 #                  (scripts/bench_kernels.py --correctness)
-#   setup      45  SmolLM2-135M-Instruct converted from the GGUF pieces in .gpu_carry/ (made by
-#                  scripts/gpu_prepare.sh), when every piece is there; else later stages run a
-#                  random model of its config (their lines say which)
-#   tests     120  pytest -m cuda
-#   identity   60  fp32 greedy tokens: Triton backend = reference backend (and HF), per method
-#   bench1     60  tokens/s, bf16, batch 1: HF generate and every treespec method
-#   bandwidth  60  the kernel's bandwidth on decode-shaped trees (bench_kernels.py --quick)
-#   batch8     45  tokens/s, bf16, batch 8
+#   setup      60  SmolLM2-135M-Instruct converted from the GGUF pieces in .gpu_carry/ (made by
+#                  scripts/gpu_prepare.sh), when every piece is there, in the background while
+#                  the next stages run (identity, bench1 and batch8 wait for it); without every
+#                  piece the model stages run a random model of its config (their lines say so)
+#   tests     100  pytest -m "cuda and not slow" (the slow ones need the real model)
+#   identity   55  fp32 greedy tokens: Triton backend = reference backend (and HF), per method
+#   bench1     70  tokens/s, bf16, batch 1: HF generate and every treespec method
+#   bandwidth  55  the kernel's bandwidth on decode-shaped trees (bench_kernels.py --quick)
+#   batch8     60  tokens/s, bf16, batch 8
 #   stash       -  only copy what this call carries in .gpu_carry/ to $TREESPEC_GPU_STASH
 # The limits add up to 540 s. Every call first copies what it carries in .gpu_carry/ to
 # $TREESPEC_GPU_STASH (default /tmp/treespec_gpu), which outlives the call while the machine
 # stays warm: the model's pieces can come over several calls.
 #
 # --cpu-smoke: the same script end to end on this CPU (TRITON_INTERPRET=1, small shapes, the
-# model cut to 2 layers after the preflight), to test the script itself (tests/test_gpu_check.py).
+# model cut to its first 2 layers), to test the script itself (tests/test_gpu_check.py).
 # Environment: OUT (default gpu_results), PYTHON, TREESPEC_HOME, TREESPEC_GPU_STASH,
 # GPU_CHECK_BUDGET_S (default 540: a stage gets at most what is left of it), T_<STAGE> (one
-# stage's limit, e.g. T_KERNELS=90), GPU_CHECK_FAIL=STAGE[,STAGE] (that stage fails at once: tests
-# the error path), GPU_CHECK_AUTOTUNE=1 (the engine stages autotune the kernel; default: one
-# fixed configuration, a compile per shape instead of twelve).
+# stage's limit, e.g. T_KERNELS=90; the dry run doubles the defaults), GPU_CHECK_FAIL=STAGE,...
+# (those stages fail at once: the error path, tested), GPU_CHECK_AUTOTUNE=1 (the engine stages
+# autotune the kernel; default: one fixed configuration, one compile per shape, not twelve),
+# GPU_CHECK_ATTENTION=reference (bench1 and batch8 on the PyTorch reference backend: the
+# fallback when the kernel fails here).
 set -uo pipefail # no -e: one failed stage must not stop the others
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -58,13 +61,22 @@ RESULTS=$OUT/results.jsonl
 LOG=$OUT/gpu_check.log
 : >"$LOG"
 : >"$RESULTS"
-BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
-declare -A LIMIT=([preflight]=${T_PREFLIGHT:-30} [kernels]=${T_KERNELS:-120} [setup]=${T_SETUP:-45}
-    [tests]=${T_TESTS:-120} [identity]=${T_IDENTITY:-60} [bench1]=${T_BENCH1:-60}
-    [bandwidth]=${T_BANDWIDTH:-60} [batch8]=${T_BATCH8:-45})
+# Stage limits (s), 540 in all. The dry run doubles the defaults: the interpreter on a shared CPU
+# is slow, and it tests the script, not the time.
+SCALE=1
+((SMOKE)) && SCALE=2
+BUDGET_S=${GPU_CHECK_BUDGET_S:-$((540 * SCALE))}
+declare -A LIMIT=([preflight]=${T_PREFLIGHT:-$((30 * SCALE))} [kernels]=${T_KERNELS:-$((110 * SCALE))}
+    [setup]=${T_SETUP:-$((60 * SCALE))} [tests]=${T_TESTS:-$((100 * SCALE))} [identity]=${T_IDENTITY:-$((55 * SCALE))}
+    [bench1]=${T_BENCH1:-$((70 * SCALE))} [bandwidth]=${T_BANDWIDTH:-$((55 * SCALE))} [batch8]=${T_BATCH8:-$((60 * SCALE))})
 if ((SMOKE)); then
     DEVICE=cpu
-    STASH=${TREESPEC_GPU_STASH:-$(mktemp -d /tmp/treespec_gpu_smoke.XXXXXX)}
+    if [ -z "${TREESPEC_GPU_STASH:-}" ]; then # a stash of its own, removed at the end
+        STASH=$(mktemp -d /tmp/treespec_gpu_smoke.XXXXXX)
+        trap 'rm -rf "$STASH"' EXIT
+    else
+        STASH=$TREESPEC_GPU_STASH
+    fi
     PY=${PYTHON:-.venv/bin/python}
     [ -x "$PY" ] || PY=python3
     export TRITON_INTERPRET=1
@@ -89,6 +101,8 @@ record() {
         printf '{"stage": "%s", "case": "stage_status", "status": "%s", "rc": %s}\n' "$1" "$2" "${3:-null}" >>"$RESULTS"
 }
 
+injected() { [[ ",${GPU_CHECK_FAIL:-}," == *",$1,"* ]]; }
+
 # run_stage NAME COMMAND...: COMMAND under the stage's limit (cut to what is left of the budget),
 # stdout to the log as it comes, stderr to a file (appended to the log after), a status line.
 run_stage() {
@@ -101,7 +115,7 @@ run_stage() {
         return 1
     fi
     ((limit > left)) && limit=$left
-    if [[ ",${GPU_CHECK_FAIL:-}," == *",$name,"* ]]; then
+    if injected "$name"; then
         set -- "$PY" -S -c "import sys; sys.exit('gpu_check: failure injected into stage $name (GPU_CHECK_FAIL)')"
     fi
     say "=== $name (limit ${limit}s): $*"
@@ -154,13 +168,8 @@ ln -sfn "$ROOT/kernels" "$PKG/treespec/kernels"
 ln -sfn "$ROOT/heads" "$PKG/treespec/heads"
 export PYTHONPATH="$PKG:$STASH/site${PYTHONPATH:+:$PYTHONPATH}"
 
-if ((SMOKE)); then
-    : # the dry run uses the model where TREESPEC_HOME says (pulled by CI), or the random stand-in
-elif [ -f "$ROOT/.gpu_carry/home/models/$MODEL/treespec.json" ]; then
-    export TREESPEC_HOME=$ROOT/.gpu_carry/home # a converted model carried whole
-else
-    export TREESPEC_HOME=${TREESPEC_HOME:-$STASH/home}
-fi
+# The dry run uses the model where TREESPEC_HOME says (CI pulls it), or the random stand-in.
+((SMOKE)) || export TREESPEC_HOME=${TREESPEC_HOME:-$STASH/home}
 if ! "$PY" -P -c "import torch, transformers, treespec.target" 2>>"$LOG"; then
     say "$PY cannot import torch, transformers and treespec: set PYTHON to an interpreter that can"
     record environment failed 1 0 0 "$LOG" "cannot import torch, transformers and treespec"
@@ -175,12 +184,15 @@ fi
 # ------------------------------------------------------------------------------ stages
 
 STAGE_PY=("$PY" -P scripts/gpu_stages.py)
+ATTENTION=${GPU_CHECK_ATTENTION:-triton}
 JL=(--jsonl "$RESULTS")
 SMALL=() # the dry run: the model cut to 2 layers, few prompts and tokens
 ((SMOKE)) && SMALL=(--layers 2 --num-prompts 1 --max-new-tokens 3 --budget fixed)
 
 stage_preflight() {
-    run_stage preflight "${STAGE_PY[@]}" preflight --device "$DEVICE" --max-new-tokens 4 "${JL[@]}" && return 0
+    local size=(--max-new-tokens 4)
+    ((SMOKE)) && size=(--max-new-tokens 3 --layers 2)
+    run_stage preflight "${STAGE_PY[@]}" preflight --device "$DEVICE" "${size[@]}" "${JL[@]}" && return 0
     if [ "${GPU_CHECK_KEEP_GOING:-0}" != 1 ]; then
         say "=== preflight failed: the script stops here (GPU_CHECK_KEEP_GOING=1 goes on)"
         record gpu_check stopped "" 0 0 "" "the preflight failed; no later stage ran"
@@ -195,8 +207,12 @@ stage_kernels() {
 }
 
 stage_setup() {
+    if injected setup; then
+        run_stage setup "$PY" -S -c "" # fails: injected
+        return
+    fi
     if "$PY" -P -c "from treespec import models; import sys; sys.exit(not models.is_pulled('$MODEL'))"; then
-        say "=== setup: $MODEL is already in \$TREESPEC_HOME ($TREESPEC_HOME)"
+        say "=== setup: $MODEL is already in \$TREESPEC_HOME (${TREESPEC_HOME:-~/.cache/treespec})"
         record setup ok 0 0 0 "" "$MODEL already in TREESPEC_HOME"
         return
     fi
@@ -214,15 +230,46 @@ stage_setup() {
         local wheels=("$STASH"/gguf-*.whl)
         [ -f "${wheels[0]}" ] && "$PY" -m pip install -q --no-index --no-deps --target "$STASH/site" "${wheels[0]}" 2>&1 | tee -a "$LOG"
     fi
-    run_stage setup bash -c 'set -e; cd "$1"; sha256sum --quiet -c gguf_parts.txt
-        cut -d" " -f3 gguf_parts.txt | xargs cat >model.gguf
-        trap "rm -f model.gguf" EXIT
-        cd "$2"; "$3" -P -m treespec.cli models pull "$4" --quiet --gguf "$1/model.gguf"' \
-        setup "$STASH" "$ROOT" "$PY" "$MODEL"
+    # The conversion (about 40 s, mostly the tokenizer) runs in the background under the stage's
+    # limit while the next stages run; the stages that need the model wait for it (wait_setup).
+    local limit=${LIMIT[setup]}
+    say "=== setup (limit ${limit}s, in the background): the GGUF from $(pieces have | wc -l) pieces"
+    SETUP_T0=$SECONDS
+    (
+        timeout --kill-after=5 "$limit" bash -c 'set -e; cd "$1"; sha256sum --quiet -c gguf_parts.txt
+            cut -d" " -f3 gguf_parts.txt | xargs cat >model.gguf
+            trap "rm -f model.gguf" EXIT
+            cd "$2"; "$3" -P -m treespec.cli models pull "$4" --quiet --gguf "$1/model.gguf"' \
+            setup "$STASH" "$ROOT" "$PY" "$MODEL" >"$STASH/setup.stdout" 2>"$STASH/setup.stderr"
+        echo $? >"$STASH/setup.rc"
+    ) &
+    SETUP_PID=$!
+}
+
+# wait_setup: the background conversion, if one runs: wait for it and write its status line.
+wait_setup() {
+    [ -n "${SETUP_PID:-}" ] || return 0
+    wait "$SETUP_PID"
+    SETUP_PID=
+    local rc status
+    rc=$(cat "$STASH/setup.rc" 2>/dev/null || echo 1)
+    cat "$STASH/setup.stdout" "$STASH/setup.stderr" >>"$LOG" 2>/dev/null
+    case $rc in
+    0) status=ok ;;
+    124 | 137) status=timeout ;;
+    *) status=failed ;;
+    esac
+    record setup "$status" "$rc" "$((SECONDS - SETUP_T0))" "${LIMIT[setup]}" "$STASH/setup.stderr"
+    say "=== setup: $status (exit $rc) after $((SECONDS - SETUP_T0))s"
+    [ "$status" = ok ] || tail -n 15 "$STASH/setup.stderr"
 }
 
 stage_tests() {
-    PYTHONPATH="$ROOT/scripts:$PYTHONPATH" run_stage tests "$PY" -P -m pytest tests -m cuda -q \
+    local where=tests
+    ((SMOKE)) && where=tests/test_cuda.py # all skipped on a CPU: collect one file, not the suite
+    # not slow: those need the real model, which may still be converting (identity runs the engine
+    # on it instead)
+    PYTHONPATH="$ROOT/scripts:$PYTHONPATH" run_stage tests "$PY" -P -m pytest "$where" -m "cuda and not slow" -q \
         -p no:cacheprovider -p gpu_stages
 }
 
@@ -233,9 +280,10 @@ stage_identity() {
 }
 
 stage_bench1() {
-    local size=(--num-prompts 5 --max-new-tokens 64 --dtype bf16 --methods none,ngram,eagle,draft,medusa,hybrid)
+    local size=(--num-prompts 3 --max-new-tokens 64 --dtype bf16 --methods none,ngram,eagle,draft,medusa,hybrid)
     ((SMOKE)) && size=("${SMALL[@]}" --dtype fp32 --methods none,ngram,eagle)
-    run_stage bench1 "${STAGE_PY[@]}" speed --stage bench1 --device "$DEVICE" --batch-size 1 "${size[@]}" "${JL[@]}"
+    run_stage bench1 "${STAGE_PY[@]}" speed --stage bench1 --device "$DEVICE" --batch-size 1 \
+        --attention-backend "$ATTENTION" "${size[@]}" "${JL[@]}"
 }
 
 stage_bandwidth() {
@@ -247,19 +295,23 @@ stage_bandwidth() {
 stage_batch8() {
     local prompts=() batch=8 size=(--num-prompts 16 --max-new-tokens 64 --dtype bf16 --methods none,ngram,eagle)
     [ -f "$STASH/spec_bench_subset.jsonl" ] && prompts=(--prompts "$STASH/spec_bench_subset.jsonl")
-    if ((SMOKE)); then
+    if ((SMOKE)); then # treespec's own short prompts: Spec-Bench's are long for the interpreter
+        prompts=()
         batch=2
         size=("${SMALL[@]}" --num-prompts 2 --dtype fp32 --methods none,ngram)
     fi
     run_stage batch8 "${STAGE_PY[@]}" speed --stage batch8 --device "$DEVICE" --batch-size "$batch" \
-        "${prompts[@]}" "${size[@]}" "${JL[@]}"
+        --attention-backend "$ATTENTION" "${prompts[@]}" "${size[@]}" "${JL[@]}"
 }
 
+SETUP_PID=
 for stage in "${STAGES[@]}"; do
     ((STOPPED)) && break
     [ "$stage" = stash ] && continue
+    case $stage in identity | bench1 | batch8) wait_setup ;; esac
     "stage_$stage"
 done
+wait_setup
 
 # ------------------------------------------------------------------------------ summary
 

@@ -1,9 +1,15 @@
-"""The short summary at the end of scripts/gpu_check.sh: each stage's status, then the headline
-numbers of every JSON it wrote.
+"""The results file of scripts/gpu_check.sh ($OUT/results.jsonl): its stage status lines, and the
+short summary at the end. Standard library only (it runs as ``python -S``, also where torch
+cannot be imported).
 
-    python scripts/gpu_summary.py OUT_DIR STATUS_FILE SECONDS
+    python scripts/gpu_summary.py record RESULTS STAGE STATUS RC SECONDS LIMIT [STDERR_FILE [REASON]]
+    python scripts/gpu_summary.py summary RESULTS SECONDS
+    python scripts/gpu_summary.py any-failed RESULTS    # exit 0 if a stage failed or ran out of time
 
-STATUS_FILE has one line per stage: name, status, seconds, last output line (tab-separated).
+Every line of RESULTS is a JSON object with ``stage`` and ``case``. The stages write their cases
+as they go; after each stage the script appends its status line, ``case`` "stage_status", with
+``status`` ok, failed, timeout, skipped or stopped, ``rc``, ``seconds``, ``limit_s``, and on
+failure ``stderr_tail`` (the last lines of the stage's stderr).
 """
 
 from __future__ import annotations
@@ -11,75 +17,141 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections import Counter, defaultdict
 from pathlib import Path
 
+BAD = ("failed", "timeout", "stopped")
 
-def stages(status_file: Path) -> list[str]:
+
+def record(results: str, stage: str, status: str, rc: str, seconds: str, limit: str, stderr: str = "",
+           reason: str = "") -> None:  # fmt: skip
+    line = {"stage": stage, "case": "stage_status", "status": status, "rc": int(rc) if rc.strip() else None,
+            "seconds": int(seconds or 0), "limit_s": int(limit or 0)}  # fmt: skip
+    if reason:
+        line["reason"] = reason
+    if status in BAD and stderr and Path(stderr).is_file():
+        lines = Path(stderr).read_text(errors="replace").splitlines()
+        line["stderr_tail"] = "\n".join(lines[-40:])[-4000:]
+    with open(results, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def read(results: str) -> list[dict]:
+    rows = []
+    for text in Path(results).read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(text)
+        except ValueError:  # a line cut short by a kill: skip it
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def fmt(x, spec=".1f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else "-"
+
+
+def headline(stage: str, rows: list[dict]) -> list[str]:
+    """A few lines of what a stage measured."""
+    cases = [r for r in rows if r.get("case") != "stage_status"]
+    by_case = defaultdict(list)
+    for r in cases:
+        by_case[r.get("case")].append(r)
     lines = []
-    for row in status_file.read_text().splitlines():
-        name, status, seconds, last = (row.split("\t") + ["", "", ""])[:4]
-        took = f"{seconds}s" if seconds not in ("", "-") else ""
-        lines.append(f"  {name:<8} {status:<28} {took:>5}  {last}")
+    for r in by_case.get("error", []):
+        lines.append(f"error: {r.get('error')}")
+    if stage == "preflight":
+        for r in by_case.get("environment", []):
+            lines.append(f"{r.get('device')}: torch {r.get('torch')}, triton {r.get('triton')}, "
+                         f"transformers {r.get('transformers')}, real model: {r.get('real_model')}")  # fmt: skip
+        for r in by_case.get("kernel", []):
+            lines.append(f"kernel at {r['heads']}/{r['kv_heads']} D {r['dim']} ({r['model']}): "
+                         f"max |err| {r['max_abs_error']:.2e}, {'ok' if r['ok'] else 'MISS'}")  # fmt: skip
+        for r in by_case.get("summary", []):
+            lines.append(f"generate: triton == reference: {r['triton_equals_reference']}")
+    elif stage in ("kernels", "bandwidth"):
+        checked = by_case.get("correctness", []) + by_case.get("bandwidth", [])
+        if checked:
+            misses = [r for r in checked if not r.get("ok")]
+            worst = Counter()
+            for r in checked:
+                worst[r.get("dtype", "?")] = max(worst[r.get("dtype", "?")], r.get("max_abs_error") or 0.0)
+            errors = ", ".join(f"{d} {e:.1e}" for d, e in sorted(worst.items()))
+            lines.append(f"{len(checked)} cases, {len(misses)} not ok; worst |err| {errors}")
+            for r in misses[:5]:
+                what = " ".join(f"{k}={r[k]}" for k in ("heads", "kv_heads", "dim", "dtype", "launch", "num_splits",
+                                                        "kind", "batch", "prefix", "nodes") if k in r)  # fmt: skip
+                lines.append(f"  not ok: {what}: {r.get('error') or fmt(r.get('max_abs_error'), '.2e')}")
+        for r in by_case.get("copy_bandwidth", []):
+            lines.append(f"copy bandwidth {r['gb_per_s']:.0f} GB/s on {r['device']}")
+        timed = [r for r in by_case.get("bandwidth", []) if "bandwidth_fraction" in r]
+        if timed:
+            fractions = [r["bandwidth_fraction"] for r in timed]
+            vs_sdpa = [r["speedup"]["sdpa_mask"] for r in timed]
+            lines.append(f"bandwidth {min(fractions):.0%}-{max(fractions):.0%} (median "
+                         f"{statistics.median(fractions):.0%}), vs SDPA+mask {min(vs_sdpa):.2f}x-{max(vs_sdpa):.2f}x")  # fmt: skip
+    elif stage == "tests":
+        outcomes = Counter(r.get("outcome") for r in cases if r.get("case") != "session")
+        if outcomes:
+            lines.append(", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())))
+        for r in cases:
+            if r.get("outcome") in ("failed", "error"):
+                lines.append(f"  {r.get('outcome')}: {r.get('case')}")
+    elif stage == "identity":
+        rows_ = by_case.get("identity", [])
+        if rows_:
+            same = sum(r["triton_equals_reference"] for r in rows_)
+            hf = sum(r["triton_equals_hf"] for r in rows_)
+            lines.append(f"{rows_[0]['model']}: triton == reference on {same}/{len(rows_)} (method, prompt), "
+                         f"== HF generate on {hf}/{len(rows_)}")  # fmt: skip
+    elif stage in ("bench1", "batch8"):
+        for r in by_case.get("speed_total", []):
+            lines.append(f"{r['method']:<8} {r['tokens_per_s']:8.1f} tok/s {r['speedup_vs_hf']:5.2f}x HF "
+                         f"(batch {r['batch_size']}, {r['dtype']}, same as treespec AR {r['same_as_treespec_ar']:.2f})")  # fmt: skip
+        if not by_case.get("speed_total") and by_case.get("speed"):
+            lines.append(
+                f"{len(by_case['speed'])} runs measured before it stopped (per-run lines in the file)"
+            )
+    elif stage == "stash":
+        for r in by_case.get("pieces", []):
+            lines.append(f"pieces here: {r.get('have') or 'none'}; missing: {r.get('missing') or 'none'}")
     return lines
 
 
-def kernels(report: dict) -> list[str]:
-    lines = [f"kernels on {report['device']}: copy bandwidth {report['copy_bandwidth_gb_s']:.0f} GB/s"]
-    for kind in ("tree", "prefill"):
-        cases = [c for c in report["cases"] if c["kind"] == kind]
-        if cases:
-            fractions = [c["bandwidth_fraction"] for c in cases]
-            vs_sdpa = [c["speedup"]["sdpa_mask"] for c in cases]
-            lines.append(f"  {kind:<7} {len(cases)} cases: bandwidth {min(fractions):.0%}-{max(fractions):.0%} "
-                         f"(median {statistics.median(fractions):.0%}), vs SDPA+mask "
-                         f"{min(vs_sdpa):.2f}x-{max(vs_sdpa):.2f}x")  # fmt: skip
-    return lines
+def summary(results: str, seconds: str) -> None:
+    rows = read(results)
+    by_stage: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_stage[str(r.get("stage"))].append(r)
+    print(f"=== summary ({seconds}s in all; {len(rows)} lines in {results})")
+    for stage, stage_rows in by_stage.items():
+        statuses = [r for r in stage_rows if r.get("case") == "stage_status"]
+        status = statuses[-1] if statuses else {"status": "running (no status line)"}
+        took = f"{status['seconds']}s/{status['limit_s']}s" if "seconds" in status else ""
+        why = f"  {status['reason']}" if status.get("reason") else ""
+        print(f"{stage:<10} {status['status']:<8} {took:>9}{why}")
+        for line in headline(stage, stage_rows):
+            print(f"    {line}")
+        if status.get("stderr_tail"):
+            tail = [t for t in status["stderr_tail"].splitlines() if t.strip()][-3:]
+            for line in tail:
+                print(f"    stderr: {line[:200]}")
 
 
-def step(report: dict) -> list[str]:
-    lines = [f"step cost ({report['batching']}), ms and x the 1-token step, treespec / HF:"]
-    for batch in report["config"]["batches"]:
-        rows = [r for r in report["forward"] if r["batch"] == batch]
-        cells = [f"{r['new_per_request']}: {r['treespec_ms']:.1f}/{r['hf_ms']:.1f} "
-                 f"({r['treespec_vs_1']:.2f}/{r['hf_vs_1']:.2f})" for r in rows]  # fmt: skip
-        lines.append(f"  B={batch}: " + ", ".join(cells))
-    for kind in dict.fromkeys(r["proposer"] for r in report["propose"]):
-        rows = [r for r in report["propose"] if r["proposer"] == kind]
-        cells = [
-            f"B={r['batch']} n={r['budget']}: {r['ms']:.1f}"
-            for r in rows
-            if r["budget"] in (1, max(report["config"]["budgets"]))
-        ]
-        lines.append(f"  propose {kind:<6} ms: " + ", ".join(cells))
-    return lines
-
-
-def bench(report: dict) -> list[str]:
-    config = report["config"]
-    lines = [f"treespec bench, batch {config['batch_size']}, {config['max_new_tokens']} new tokens:"]
-    for m in report["methods"]:
-        speed = f"{m['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in m else "-"
-        tau = f"tau {m['mean_accepted_tokens']:.2f}" if "mean_accepted_tokens" in m else ""
-        same = m.get("identical_to_reference")
-        same = f"same {same:.2f}" if same is not None else ""
-        lines.append(f"  {m['name']:<12} {m['tokens_per_s']:8.1f} tok/s {speed:>7} {tau:>9} {same}")
-    return lines
-
-
-SECTIONS = {"kernels.json": kernels, "bench_step.json": step, "bench_b1.json": bench, "bench_b8.json": bench}
-
-
-def main(out: str, status_file: str, seconds: str) -> None:
-    print(f"=== summary ({seconds}s in all; everything in {out})")
-    print("\n".join(stages(Path(status_file))))
-    for name, section in SECTIONS.items():
-        path = Path(out) / name
-        if path.is_file():
-            try:
-                print("\n".join(section(json.loads(path.read_text()))))
-            except (KeyError, ValueError, TypeError) as exc:  # a report of another shape: say so, go on
-                print(f"{name}: cannot summarise ({type(exc).__name__}: {exc})")
+def any_failed(results: str) -> int:
+    bad = [r["stage"] for r in read(results) if r.get("case") == "stage_status" and r.get("status") in BAD]
+    print(" ".join(bad))
+    return 0 if bad else 1
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    command, args = sys.argv[1], sys.argv[2:]
+    if command == "record":
+        record(*args)
+    elif command == "summary":
+        summary(*args)
+    elif command == "any-failed":
+        sys.exit(any_failed(*args))
+    else:
+        sys.exit(f"gpu_summary.py: unknown command {command!r} (record, summary, any-failed)")

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from treespec import heads
 from treespec.api import generate
 from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
+from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
 from treespec.linear import LINEAR_BACKENDS
 from treespec.models import load
 from treespec.processors import RowContexts, process
@@ -78,6 +79,7 @@ class BenchConfig:
     device: str = "cpu"
     budget: str = "adaptive"  # "fixed": the proposers' own sizes (31 drafted nodes); "N": N nodes every step
     linear_backend: str = "auto"  # treespec's target (treespec.linear); the HF baselines run natively
+    attention_backend: str = "auto"  # treespec's target, EAGLE heads and draft models; not the HF baselines
     draft_vocab: int = 8192  # EAGLE-1 / Medusa heads read out through the first N token ids (0: all)
     heads: tuple[tuple[str, str], ...] = ()  # (kind, folder or registered name): overrides the shipped heads
     json: str | None = None
@@ -100,6 +102,10 @@ class BenchConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
         if self.budget not in ("adaptive", "fixed") and not (
             self.budget.isdigit() and 1 <= int(self.budget) <= 31
         ):
@@ -137,7 +143,8 @@ class Components:
         self.config = config
         self.hf_model, self.tokenizer = load(config.model, dtype=dtype, device=device)
         self.model = self.hf_model  # one model: the Target runs a view of it and leaves it as it was
-        self.target = Target(self.model, linear_backend=self.config.linear_backend)
+        self.target = Target(self.model, attention_backend=config.attention_backend,
+                             linear_backend=config.linear_backend)  # fmt: skip
         self.shipped = {**heads.shipped_for(config.model), **dict(config.heads)}
         self._heads: dict[str, object] = {}
         self.cost_model = None
@@ -172,22 +179,23 @@ class Components:
         if method == "ngram":
             return NgramProposer(max_depth=8, max_nodes=32, token_cost=self.token_cost())
         linear = self.config.linear_backend  # heads read out with the target's linear backend
+        attention = self.config.attention_backend  # EAGLE heads and draft models attend with it
         readout = self._readout("eagle") if method in ("eagle", "hybrid") else None
         if method == "eagle":
             inner = EagleProposer(self.head("eagle", for_what="method 'eagle'"), self.model, depth=6, top_k=8,
                                   total_tokens=31, max_batch_size=batch, linear_backend=linear,
-                                  readout_ids=readout)  # fmt: skip
+                                  attention_backend=attention, readout_ids=readout)  # fmt: skip
         elif method == "medusa":
             inner = MedusaProposer(self.head("medusa", for_what="method 'medusa'"), self.model, dynamic=(8, 31),
                                    linear_backend=linear, readout_ids=self._readout("medusa"))  # fmt: skip
         elif method == "draft":
             inner = DraftModelProposer(self.head("draft", for_what="method 'draft'"), target_model=self.model,
                                        dynamic=(4, 6, 31), max_batch_size=batch, linear_backend=linear,
-                                       readout_ids=self._readout("draft"))  # fmt: skip
+                                       attention_backend=attention, readout_ids=self._readout("draft"))  # fmt: skip
         else:  # hybrid
             eagle = EagleProposer(self.head("eagle", for_what="method 'hybrid'"), self.model, depth=6, top_k=8,
                                   total_tokens=24, max_batch_size=batch, linear_backend=linear,
-                                  readout_ids=readout)  # fmt: skip
+                                  attention_backend=attention, readout_ids=readout)  # fmt: skip
             return HybridProposer(
                 self._adaptive(eagle), NgramProposer(max_depth=8, max_nodes=8, token_cost=self.token_cost())
             )

@@ -19,6 +19,8 @@ from treespec.prompts import BENCH_PROMPTS, encode_prompts
 
 # treespec.linear.LINEAR_BACKENDS, spelled out so that --help needs no torch (a test keeps them equal)
 LINEAR_BACKEND_CHOICES = ("auto", "native", "fp32-kmajor", "bf16-kernel")
+# treespec.kernels.tree_attention.BACKENDS, likewise (tests/test_bench_backends.py keeps them equal)
+ATTENTION_BACKEND_CHOICES = ("auto", "triton", "reference", "cpu")
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -165,6 +167,11 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKEND_CHOICES,
                        help="treespec's linear layers: auto = bf16-kernel for a bf16 model on a CPU with AVX2, "
                             "else fp32-kmajor on a CPU, native elsewhere")  # fmt: skip
+    bench.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES,
+                       help="treespec's tree attention (target, EAGLE heads, draft models; not the HF baselines): "
+                            "auto = triton on CUDA, else the PyTorch reference (or treespec's batch-invariant cpu "
+                            "kernel for a bf16 model with both backends auto); reference is the fallback that "
+                            "runs anywhere")  # fmt: skip
     bench.add_argument("--json", default="bench_results/bench.json", help="report path")
     bench.add_argument("--plot", default=None, metavar="PNG",
                        help="speedup per category and accepted-length histograms (default: the JSON's path with "
@@ -201,6 +208,12 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from treespec.kernels.tree_attention import resolve_backend
+
+    try:  # a forced backend that cannot run here: one line before anything loads, not a traceback
+        resolve_backend(args.attention_backend, torch.device(args.device))
+    except RuntimeError as exc:
+        raise ValueError(f"--attention-backend {args.attention_backend}: {exc}") from exc
     plot = None if args.no_plot else args.plot
     if plot is None and not args.no_plot and args.json:
         if importlib.util.find_spec("matplotlib") is None:
@@ -214,7 +227,8 @@ def _bench(args: argparse.Namespace) -> int:
         model=args.model, proposers=tuple(args.proposer), baselines=tuple(args.baselines), prompts=args.prompts,
         num_prompts=args.num_prompts, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         dtype=args.dtype, temperature=args.temperature, batch_size=args.batch_size, seed=args.seed,
-        warmup=args.warmup, budget=args.budget, linear_backend=args.linear_backend, draft_vocab=args.draft_vocab, json=args.json, plot=plot, device=args.device, verbose=args.verbose,
+        warmup=args.warmup, budget=args.budget, linear_backend=args.linear_backend,
+        attention_backend=args.attention_backend, draft_vocab=args.draft_vocab, json=args.json, plot=plot, device=args.device, verbose=args.verbose,
         tie_gap=args.tie_gap, repetition_penalty=args.repetition_penalty,
         heads=tuple(_kind_path(h) for h in args.heads),
     )  # fmt: skip

@@ -1,0 +1,64 @@
+"""``treespec bench --attention-backend / --linear-backend``: the backends reach treespec's target
+and proposers (not the HF baselines), the JSON says which ran, and bad values are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_bench import tiny_model_folder, write_prompts
+
+from treespec import benchmark
+from treespec.cli import ATTENTION_BACKEND_CHOICES, main
+from treespec.kernels import tree_attention as ta
+
+
+def test_the_cli_spells_out_the_attention_backends():
+    assert ATTENTION_BACKEND_CHOICES == ta.BACKENDS
+
+
+def test_attention_backend_reaches_the_target_and_the_heads(tmp_path, monkeypatch):
+    tiny_model_folder(tmp_path)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"category": "copy", "turns": ["w1 w2 w3 w1 w2 w3"]}])
+    seen = []  # (who, attention backend asked for) of every EAGLE proposer the bench builds
+    original = benchmark.EagleProposer
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("attention_backend"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(benchmark, "EagleProposer", spy)
+    out = tmp_path / "out.json"
+    argv = ["bench", "--model", str(tmp_path / "model"), "--prompts", prompts, "--max-new-tokens", "4",
+            "--dtype", "fp32", "--warmup", "0", "--budget", "fixed", "--proposer", "ngram,eagle",
+            "--baselines", "hf", "--heads", f"eagle={tmp_path / 'eagle'}", "--json", str(out), "--no-plot",
+            "--attention-backend", "reference", "--linear-backend", "native"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["attention_backend"] == "reference"
+    assert report["config"]["linear_backend"] == "native"
+    assert report["target"]["attention_backend"] == "reference"  # what the Target resolved and ran
+    assert report["target"]["linear_backend"] == "native"
+    assert report["target"]["batch_invariant"] is False  # forced backends: not the automatic CPU mode
+    assert seen and set(seen) == {"reference"}
+    assert all(m["identical_to_reference"] == 1.0 for m in report["methods"])
+
+
+def test_bad_backends_are_refused(tmp_path, capsys):
+    base = ["bench", "--model", str(tmp_path / "nothing"), "--no-plot"]
+    assert main([*base, "--attention-backend", "flash"]) == 2
+    err = capsys.readouterr().err
+    assert "--attention-backend: invalid choice: 'flash'" in err and "'reference'" in err
+    assert main([*base, "--linear-backend", "fast"]) == 2
+    assert "--linear-backend: invalid choice: 'fast'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        benchmark.BenchConfig(attention_backend="flash")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="triton can run here")
+def test_a_backend_that_cannot_run_here_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read at each call: the interpreter off, no GPU
+    assert main(["bench", "--model", str(tmp_path / "nothing"), "--attention-backend", "triton"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("treespec: error: --attention-backend triton: backend='triton' cannot run here")

@@ -51,6 +51,9 @@ import torch
 
 from treespec.kernels import tree_attention as ta
 
+sys.path.insert(0, str(Path(__file__).parent))  # beside this script (gpu_check.sh runs python -P)
+from gpu_stages import JsonLines  # noqa: E402
+
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 WORD = 32  # bits per tree-mask word (the attention contract)
@@ -65,20 +68,6 @@ LAYOUTS = [
     (8, 8, 128, "MHA"),
 ]
 HEAD_DIMS = (64, 128, 256)
-
-
-class JsonLines:
-    """Appends one JSON object per line to a file, flushed at once (nothing when path is None)."""
-
-    def __init__(self, path: str | None, stage: str) -> None:
-        self.path, self.stage = path, stage
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, **fields) -> None:
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"stage": self.stage, **fields}) + "\n")
 
 
 def make_schedule(cu_q: torch.Tensor, prefix_lens: torch.Tensor, group: int, num_splits: int | None = None):

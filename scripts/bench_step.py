@@ -131,15 +131,15 @@ def target_forward_ms(target: treespec.Target, batch: int, config: StepBenchConf
     generator = torch.Generator().manual_seed(config.seed)
     context, vocab = config.context, target.vocab_size
     cache = target.new_cache(batch, context + max(config.sizes))
-    slots = torch.tensor([cache.allocate() for _ in range(batch)])
+    slots = [cache.allocate() for _ in range(batch)]  # host lists, as the engine's step passes them
     prompt = random_tokens((batch * context,), vocab, generator, config.device)  # [B * C]
-    target.forward(prompt, cache, torch.arange(batch + 1) * context, slots, return_hidden=False)
-    for slot in slots.tolist():  # a prefill chain commits all its tokens
+    target.forward(prompt, cache, [b * context for b in range(batch + 1)], slots, return_hidden=False)
+    for slot in slots:  # a prefill chain commits all its tokens
         cache.lengths[slot] = context
     times = {}
     for n in config.sizes:
         tokens = random_tokens((batch * n,), vocab, generator, config.device)  # [B * n]
-        cu_q = torch.arange(batch + 1) * n  # [B + 1]: request b owns rows b*n .. (b+1)*n - 1
+        cu_q = [b * n for b in range(batch + 1)]  # [B + 1]: request b owns rows b*n .. (b+1)*n - 1
 
         def run(_, tokens=tokens, cu_q=cu_q):
             target.forward(tokens, cache, cu_q, slots, return_hidden=False)

@@ -65,12 +65,12 @@ def group_of(name: str) -> str:
 def profile_forward(target: treespec.Target, size: int, context: int, repeats: int, warmup: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     cache = target.new_cache(1, context + size)
-    slots = torch.tensor([cache.allocate()])
+    slots = [cache.allocate()]  # host lists, as the engine's step passes them
     prompt = torch.randint(0, target.vocab_size, (context,), generator=generator)
-    target.forward(prompt, cache, torch.tensor([0, context]), slots, return_hidden=False)
+    target.forward(prompt, cache, [0, context], slots, return_hidden=False)
     cache.lengths[slots[0]] = context
     tokens = torch.randint(0, target.vocab_size, (size,), generator=generator)
-    cu_q = torch.tensor([0, size])
+    cu_q = [0, size]
 
     def run() -> None:
         target.forward(tokens, cache, cu_q, slots, return_hidden=False)

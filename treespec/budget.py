@@ -105,19 +105,21 @@ class CostModel:
         of ``context`` cached tokens each) for each n in ``sizes``: medians of ``repeats``.
         ``progress``: a progress bar with this label, one tick per size."""
         cache = target.new_cache(batch_size, context + max(sizes) + 1)
-        slots = torch.tensor([cache.allocate() for _ in range(batch_size)])
+        slots = [cache.allocate() for _ in range(batch_size)]  # host lists, as the engine's step passes them
         vocab = target.vocab_size
         generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, vocab, (batch_size * context,), generator=generator)
-        target.forward(prompt, cache, torch.arange(batch_size + 1) * context, slots, return_hidden=False)
-        for s in slots.tolist():
+        target.forward(
+            prompt, cache, [b * context for b in range(batch_size + 1)], slots, return_hidden=False
+        )
+        for s in slots:
             cache.lengths[s] = context
         times = []
         for n in tqdm(sizes, desc=progress, unit="size", disable=progress is None):
             per = [n // batch_size + (b < n % batch_size) for b in range(batch_size)]
             per = [max(p, 1) for p in per]
-            cu = torch.tensor([0, *per]).cumsum(0)
-            tokens = torch.randint(0, vocab, (int(cu[-1]),), generator=generator)
+            cu = list(itertools.accumulate(per, initial=0))
+            tokens = torch.randint(0, vocab, (cu[-1],), generator=generator)
             runs = []
             for _ in range(repeats + 1):
                 start = time.perf_counter()

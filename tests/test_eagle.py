@@ -3,6 +3,7 @@ exact output with random heads, folder I/O, bad input."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -200,6 +201,16 @@ def test_random_eagle_heads_keep_the_output_exact(family, eagle3):
                 model, PROMPTS[:batch], max_new_tokens=NEW, proposer=proposer, prefill_chunk_size=chunk
             )
             assert out.sequences == want[:batch]
+
+
+def test_a_head_follows_the_targets_dtype_and_the_callers_head_is_left_as_it_was():
+    model = build("llama", seed=0).to(torch.bfloat16)
+    head = random_head(model)  # float32, as a head folder loads by default
+    converted = EagleProposer(copy.deepcopy(head).to(torch.bfloat16), model, top_k=2, depth=3, total_tokens=5)
+    want = treespec.generate(model, PROMPTS[:2], max_new_tokens=NEW, proposer=converted).sequences
+    proposer = EagleProposer(head, model, top_k=2, depth=3, total_tokens=5)
+    assert treespec.generate(model, PROMPTS[:2], max_new_tokens=NEW, proposer=proposer).sequences == want
+    assert head.fc.weight.dtype == torch.float32  # converted in a copy
 
 
 def test_sampling_with_an_eagle_head_runs_seeded():

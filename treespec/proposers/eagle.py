@@ -22,6 +22,7 @@ so the deterministic-children rule verifies them losslessly at any temperature.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Sequence
 
@@ -102,6 +103,7 @@ class EagleProposer(Proposer):
                 f"1 <= total_tokens <= top_k + (depth - 1) * top_k^2; got top_k={top_k}, depth={depth}, "
                 f"total_tokens={total_tokens}"
             )
+        head = _follow_target(head, target_model)
         weight = head.fc.weight
         backend = linear.resolve_linear_backend(linear_backend, weight.device, target_model.dtype)
         self.head = linear.module_view(head, backend).eval()
@@ -324,3 +326,13 @@ class EagleProposer(Proposer):
         self.cache.commit(slots, [list(range(n)) for n in counts])
         last = torch.tensor(list(itertools.accumulate(counts)), device=device) - 1
         return h[last]
+
+
+def _follow_target(head: EagleHead, target_model: PreTrainedModel) -> EagleHead:
+    """The head in the target's dtype and on its device: it reads the target's embeddings and LM
+    head, so it runs in their precision (as a serving engine runs a draft in the model's dtype).
+    A head that differs is copied and converted; the one passed in is left as it was."""
+    weight = head.fc.weight
+    if weight.dtype == target_model.dtype and weight.device == target_model.device:
+        return head
+    return copy.deepcopy(head).to(device=target_model.device, dtype=target_model.dtype)

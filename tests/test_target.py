@@ -125,6 +125,17 @@ def test_cache_overflow_is_refused_before_compute():
     assert cache.lengths == [0] and cache.keys.abs().sum() == 0
 
 
+def test_host_layouts_that_do_not_fit_are_refused_before_compute():
+    target = Target(build("llama"))
+    cache = target.new_cache(num_slots=2, max_len=8)
+    cache.allocate()
+    with pytest.raises(ValueError, match=r"one count >= 0 of new tokens per slot, got \[3, -1\]"):
+        target.forward(torch.arange(2), cache, [0, 3, 2], [0, 1])
+    with pytest.raises(ValueError, match="one count >= 0 of new tokens per slot"):
+        target.forward(torch.arange(3), cache, [0, 3], [0, 1])
+    assert cache.keys.abs().sum() == 0
+
+
 def test_bidirectional_gemma_is_refused():
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         Target(build("gemma3", use_bidirectional_attention=True))

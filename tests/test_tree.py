@@ -226,6 +226,24 @@ def test_validate_catches_corrupted_trees():
         dataclasses.replace(tree, draft_probs=torch.zeros(2, 4)).validate()
 
 
+def test_validate_catches_a_host_mirror_that_disagrees_with_the_tensors():
+    """The engine lays out a step from TokenTree.host: a stale mirror must not pass debug mode."""
+    tree = TokenTree.from_lists([[5, 7, 8], [1, 2]], [[-1, 0, 0], [-1, 0]])
+    stale_tokens = dataclasses.replace(tree, tokens=torch.tensor([5, 7, 9, 1, 2]))  # host still says 8
+    with pytest.raises(ValueError, match="host mirror disagrees.*tokens differ"):
+        stale_tokens.validate()
+    for field, value, message in [
+        ("sizes", (2, 3), "sizes"),
+        ("max_depth", 0, "max_depth 0 < 1"),
+        ("max_children", 1, "max_children 1 < 2"),
+        ("parents", (-1, 0, 1, -1, 0), "parents differ"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(tree, host=dataclasses.replace(tree.host, **{field: value})).validate()
+    device_built = dataclasses.replace(tree, host=dataclasses.replace(tree.host, tokens=None, parents=None))
+    device_built.validate()  # a mirror without tokens and parents (drafted on the device) is fine
+
+
 # ---------------------------------------------------------------------------- build_static_tree
 
 

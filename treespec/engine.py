@@ -369,12 +369,7 @@ class Engine:
             parts.append(table.flatten())
         if need_structure:
             parts += [trees.tokens, trees.parents]
-        parts.append(
-            (suspect if suspect is not None else torch.zeros((), dtype=torch.bool))
-            .long()
-            .view(1)
-            .to(first.device)
-        )
+        parts.append((suspect if suspect is not None else torch.zeros((), dtype=torch.bool)).long().view(1))
         flat = torch.cat([p.to(first.device) for p in parts]).tolist()  # host sync: the one per step
         at = len(first)
         first_tokens = flat[:at]
@@ -386,7 +381,7 @@ class Engine:
             for nodes, tokens in parse_readback([chunk[i * width : (i + 1) * width] for i in range(rows)]):
                 accepted.append(nodes)
                 committed.append(tokens)
-            cu = list(itertools.accumulate(trees.sizes(), initial=0))
+            cu = trees.cu_list()
             if need_structure:
                 n = trees.num_nodes
                 tokens, parents = flat[at : at + n], flat[at + n : at + 2 * n]
@@ -453,7 +448,12 @@ class Engine:
             return torch.stack([torch.zeros_like(tokens), tokens], 1)
         table = None
         for params, members in _group_by_sampling(decoding).items():
-            sub_tree, sub_logits = trees.select(members), logits[_node_rows(trees, members)]
+            sub_tree = trees.select(members)
+            sub_logits = (
+                logits
+                if sub_tree is trees
+                else logits[torch.tensor(trees.node_rows(members)).to(logits.device)]
+            )
             eps, delta = params.typical_acceptance or MEDUSA_TYPICAL  # read only in typical mode
             uniforms = None
             if not params.greedy and params.seed is not None:  # each request draws from its own stream
@@ -659,7 +659,7 @@ class StepBatch:
         device: torch.device,
     ) -> StepBatch:
         tree_sizes = trees.sizes() if trees is not None else []  # the host's, from the proposer
-        tree_cu = list(itertools.accumulate(tree_sizes, initial=0))
+        tree_cu = trees.cu_list() if trees is not None else [0]
         prompt_tokens, prompt_depth, pieces = [], [], []  # pieces: (kind, start, stop) in running order
         prefill_rows, tree_rows, final, accepted, cu = [], [], set(), {}, [0]
         b = 0
@@ -757,7 +757,7 @@ def check_proposal(
         raise ValueError(f"proposer returned trees of {host_sizes} nodes for {len(asks)} requests")
     device = tree.tokens.device
     roots = torch.tensor([ask.tokens[-1] for ask in asks]).to(device)
-    starts = torch.tensor(list(itertools.accumulate(host_sizes, initial=0))[:-1]).to(device)
+    starts = torch.tensor(tree.cu_list()[:-1]).to(device)
     bad_token = ((tree.tokens < 0) | (tree.tokens >= vocab_size)).any()
     suspect = (tree.tokens[starts] != roots).any() | bad_token | (tree.cu_nodes[:-1] != starts).any()
     if not full:
@@ -807,12 +807,3 @@ def _group_by_sampling(requests: list[Request]) -> dict[SamplingParams, list[int
     for i, request in enumerate(requests):
         groups.setdefault(request.sampling, []).append(i)
     return groups
-
-
-def _node_rows(tree: TokenTree, members: list[int]) -> torch.Tensor | slice:
-    """The logits rows of the given requests' nodes: a slice for all of them, else an index."""
-    if members == list(range(tree.num_requests)):
-        return slice(None)
-    cu = list(itertools.accumulate(tree.sizes(), initial=0))
-    rows = [i for m in members for i in range(cu[m], cu[m + 1])]
-    return torch.tensor(rows).to(tree.tokens.device)

@@ -187,10 +187,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def _top_p_filter(scores: torch.Tensor, top_p: float, *, adaptive: bool | None = None) -> torch.Tensor:
     """Drop the low tail whose total mass is <= 1 - top_p (HF's rule), keeping the top token.
 
-    ``adaptive`` (default: where :func:`reads_are_free`) looks at the top tokens first, widening per row as needed
-    (below): several times cheaper than a sort on a CPU, where its data-dependent loop costs
-    nothing, but each widening reads the device. Elsewhere (a GPU) the whole row is sorted, as
-    HF does: a fixed sequence of kernels that reads nothing back.
+    ``adaptive`` (default: where :func:`reads_are_free`) looks at the top tokens first,
+    widening per row as needed (below): several times cheaper than a sort on a CPU, where its
+    data-dependent loop costs nothing, but each widening reads the device. Elsewhere (a GPU) the
+    whole row is sorted, as HF does: a fixed sequence of kernels that reads nothing back.
 
     HF sorts the whole vocabulary; the kept nucleus is usually a few hundred tokens, so this looks
     only at the top k of each row (k = 256, then 8x more for the rows whose nucleus is wider, up

@@ -151,8 +151,10 @@ class StepMetadata:
         Everything is laid out on the host and copied to the device once.
         """
         num_new, slot_list = [int(n) for n in num_new], [int(s) for s in slots]
-        if len(num_new) != len(slot_list):
-            raise ValueError(f"{len(num_new)} request sizes for {len(slot_list)} slots")
+        if len(num_new) != len(slot_list) or any(n < 0 for n in num_new):
+            raise ValueError(
+                f"need one count >= 0 of new tokens per slot, got {num_new} for slots {slot_list}"
+            )
         for slot, n in zip(slot_list, num_new, strict=True):
             cache.check_room(slot, n)  # before any compute
         prefix = [cache.lengths[s] for s in slot_list]

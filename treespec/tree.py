@@ -146,10 +146,6 @@ class TreeHost:
     parents: tuple[int, ...] | None = None
     max_children: int | None = None
 
-    @property
-    def cu_nodes(self) -> list[int]:
-        return list(itertools.accumulate(self.sizes, initial=0))
-
 
 @dataclass(frozen=True)
 class TokenTree:
@@ -190,6 +186,15 @@ class TokenTree:
             return list(self.host.sizes)
         return (self.cu_nodes[1:] - self.cu_nodes[:-1]).tolist()
 
+    def cu_list(self) -> list[int]:
+        """``cu_nodes`` as a host list, from :meth:`sizes`."""
+        return list(itertools.accumulate(self.sizes(), initial=0))
+
+    def node_rows(self, members: Sequence[int]) -> list[int]:
+        """The flat indices of requests ``members``' nodes, in that order (host ints)."""
+        cu = self.cu_list()
+        return [i for m in members for i in range(cu[m], cu[m + 1])]
+
     def max_depth(self) -> int:
         """No node is deeper: ``host``'s bound when the builder gave it, else a host sync."""
         if self.host is not None:
@@ -214,17 +219,16 @@ class TokenTree:
         members = list(members)
         if members == list(range(self.num_requests)):
             return self
-        sizes, cu = self.sizes(), list(itertools.accumulate(self.sizes(), initial=0))
-        rows = torch.tensor([i for m in members for i in range(cu[m], cu[m + 1])], dtype=torch.long)
-        rows = rows.to(self.tokens.device)
-        picked = [sizes[m] for m in members]
+        index = self.node_rows(members)
+        rows = torch.tensor(index, dtype=torch.long).to(self.tokens.device)
+        picked = [self.sizes()[m] for m in members]
         host = None
         if self.host is not None:
             own = self.host
             host = TreeHost(
                 tuple(picked), own.max_depth,
-                None if own.tokens is None else tuple(own.tokens[i] for m in members for i in range(cu[m], cu[m + 1])),
-                None if own.parents is None else tuple(own.parents[i] for m in members for i in range(cu[m], cu[m + 1])),
+                None if own.tokens is None else tuple(own.tokens[i] for i in index),
+                None if own.parents is None else tuple(own.parents[i] for i in index),
                 own.max_children,
             )  # fmt: skip
         cu_nodes = torch.tensor(list(itertools.accumulate(picked, initial=0)), device=self.tokens.device)
@@ -282,38 +286,16 @@ class TokenTree:
             parents = [list(range(-1, len(t) - 1)) for t in tokens]
         if len(parents) != len(tokens):
             raise ValueError(f"{len(tokens)} token lists but {len(parents)} parent lists")
-        masks, depth, flat_parents, cu = [], [], [], [0]
         for b, (toks, par) in enumerate(zip(tokens, parents, strict=True)):
             if not toks or len(toks) != len(par):
                 raise ValueError(
                     f"request {b}: {len(toks)} tokens and {len(par)} parents (need the same, >= 1)"
                 )
-            masks.append(pack_ancestor_mask(par))
-            d: list[int] = []
-            for p in par:
-                d.append(0 if p < 0 else d[p] + 1)
-            depth += d
-            flat_parents += par
-            cu.append(cu[-1] + len(toks))
             _check_distinct_siblings(toks, par, b)
-        width = max(m.shape[1] for m in masks)
-        mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
-        flat_tokens = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long)
+        flat_tokens = [t for toks in tokens for t in toks]
         if draft_probs is not None and draft_probs.shape[0] != len(flat_tokens):
             raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows for {len(flat_tokens)} nodes")
-        host = TreeHost(
-            tuple(len(t) for t in tokens), max(depth), tuple(t for toks in tokens for t in toks), tuple(flat_parents),
-            most_children(parents),
-        )  # fmt: skip
-        return cls(
-            flat_tokens,
-            torch.tensor(flat_parents, dtype=torch.long),
-            torch.tensor(depth, dtype=torch.long),
-            torch.tensor(cu, dtype=torch.long),
-            mask,
-            draft_probs,
-            host,
-        )
+        return cls._from_host(torch.tensor(flat_tokens, dtype=torch.long), parents, draft_probs, flat_tokens)
 
     make_dummy = from_lists  # the name tests use, after vLLM's metadata classes
 
@@ -328,9 +310,20 @@ class TokenTree:
         Shape:
             tokens [T] long on any device; parents: per request, its N_b parents (sum = T)
         """
-        device = tokens.device
         if sum(len(p) for p in parents) != len(tokens):
             raise ValueError(f"{len(tokens)} tokens for trees of {[len(p) for p in parents]} nodes")
+        return cls._from_host(tokens.long(), parents, draft_probs, None)
+
+    @classmethod
+    def _from_host(
+        cls,
+        tokens: torch.Tensor,
+        parents: Sequence[Sequence[int]],
+        draft_probs: torch.Tensor | None,
+        host_tokens: list[int] | None,
+    ) -> TokenTree:
+        """The structure laid out on the host from the parents (masks, depths, offsets), copied to
+        the tokens' device in one copy; ``host_tokens``: the tokens' host copy, if there is one."""
         masks = [pack_ancestor_mask(list(p)) for p in parents]
         width = max(m.shape[1] for m in masks)
         mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
@@ -342,10 +335,15 @@ class TokenTree:
             depth += d
         sizes = tuple(len(p) for p in parents)
         flat_parents = [q for p in parents for q in p]
-        layout = torch.tensor([*itertools.accumulate(sizes, initial=0), *flat_parents, *depth]).to(device)
+        layout = torch.tensor([*itertools.accumulate(sizes, initial=0), *flat_parents, *depth]).to(
+            tokens.device
+        )
         cu_nodes, flat, depth_t = layout.split([len(sizes) + 1, len(tokens), len(tokens)])
-        host = TreeHost(sizes, max(depth, default=0), None, tuple(flat_parents), most_children(parents))
-        return cls(tokens.long(), flat, depth_t, cu_nodes, mask.to(device), draft_probs, host)
+        host = TreeHost(
+            sizes, max(depth, default=0), None if host_tokens is None else tuple(host_tokens),
+            tuple(flat_parents), most_children(parents),
+        )  # fmt: skip
+        return cls(tokens, flat, depth_t, cu_nodes, mask.to(tokens.device), draft_probs, host)
 
     def validate(self) -> None:
         """Raise ValueError unless every invariant of the class docstring holds.
@@ -377,6 +375,31 @@ class TokenTree:
             raise ValueError("tree_mask is not the ancestor-and-self bitmask of the parents")
         if self.draft_probs is not None and self.draft_probs.shape[0] != num_nodes:
             raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for {num_nodes} nodes")
+        if self.host is not None:
+            self._validate_host(cu, tokens, parents, rebuilt)
+
+    def _validate_host(
+        self, cu: list[int], tokens: list[int], parents: list[int], rebuilt: TokenTree
+    ) -> None:
+        """The host's mirror must agree with the tensors: the engine lays out steps from it."""
+        own, real = self.host, rebuilt.host
+        problems = [
+            f"sizes {list(own.sizes)} for cu_nodes {cu}" if list(own.sizes) != list(real.sizes) else "",
+            f"max_depth {own.max_depth} < {real.max_depth}" if own.max_depth < real.max_depth else "",
+            f"max_children {own.max_children} < {real.max_children}"
+            if own.max_children is not None and own.max_children < real.max_children
+            else "",
+            "tokens differ from the tensor's"
+            if own.tokens is not None and list(own.tokens) != tokens
+            else "",
+            "parents differ from the tensor's"
+            if own.parents is not None and list(own.parents) != parents
+            else "",
+        ]
+        if any(problems):
+            raise ValueError(
+                f"the tree's host mirror disagrees with it: {'; '.join(p for p in problems if p)}"
+            )
 
 
 def most_children(parents: Iterable[Sequence[int]]) -> int:
@@ -393,11 +416,11 @@ def host_structure(trees: Sequence[TokenTree]) -> list[tuple[list[int], list[int
     out = []
     for tree in trees:
         if tree.host is not None and tree.host.tokens is not None and tree.host.parents is not None:
-            out.append((tree.host.cu_nodes, list(tree.host.tokens), list(tree.host.parents)))
+            out.append((tree.cu_list(), list(tree.host.tokens), list(tree.host.parents)))
             continue
         n = tree.num_nodes
         tokens, parents = [next(read) for _ in range(n)], [next(read) for _ in range(n)]
-        out.append((list(itertools.accumulate(tree.sizes(), initial=0)), tokens, parents))
+        out.append((tree.cu_list(), tokens, parents))
     return out
 
 
@@ -670,14 +693,14 @@ def _pack_trees(
     *,
     distinct: bool = False,
     max_children: int | None = None,
-) -> tuple[TokenTree, torch.Tensor | None]:
+) -> TokenTree:
     """Deduplicate siblings, then flatten B trees of M candidate nodes into a TokenTree.
 
     A node repeating the token of an earlier sibling (lower index) is dropped with its whole
-    subtree, so requests may end up with different sizes. Returns the tree and keep [B, M] bool.
-    Host syncs: the widest request (mask width) and boolean-mask flattening. ``distinct``: the
-    caller guarantees distinct siblings (children taken from one top-k row): every tree keeps
-    its M nodes, nothing is read from the device, and keep is None.
+    subtree, so requests may end up with different sizes. Host syncs: the widest request (mask
+    width) and boolean-mask flattening. ``distinct``: the caller guarantees distinct siblings
+    (children taken from one top-k row): every tree keeps its M nodes and nothing is read from
+    the device.
     """
     num_trees, num_nodes = tokens.shape
     anc, depth = _ancestors(parents, max_depth)  # [B, M, M], [B, M]
@@ -687,7 +710,7 @@ def _pack_trees(
         probs = None if draft_probs is None else draft_probs.flatten(0, 1)
         mask = pack_bits(anc).flatten(0, 1)
         flat = (tokens.flatten(), parents.flatten(), depth.flatten())
-        return TokenTree(*flat, cu_nodes, mask, probs, host), None
+        return TokenTree(*flat, cu_nodes, mask, probs, host)
     earlier = torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=tokens.device).tril(-1)
     earlier_sibling = (parents[:, :, None] == parents[:, None, :]) & earlier  # [B, M(node), M(other)]
     duplicate = (earlier_sibling & (tokens[:, :, None] == tokens[:, None, :])).any(-1)  # [B, M]
@@ -703,8 +726,7 @@ def _pack_trees(
     visible = anc.new_zeros(num_trees, num_nodes, num_nodes + 1).scatter_(2, column, anc & keep[:, None, :])
     mask = pack_bits(visible[..., :widest])  # [B, M, W]
     probs = None if draft_probs is None else draft_probs[keep]
-    tree = TokenTree(tokens[keep], new_parents[keep], depth[keep], cu_nodes, mask[keep], probs)
-    return tree, keep
+    return TokenTree(tokens[keep], new_parents[keep], depth[keep], cu_nodes, mask[keep], probs)
 
 
 def build_static_tree(
@@ -760,7 +782,7 @@ def build_static_tree(
         rows = draft_probs[:, depth.clamp(max=num_depths - 1)]  # [B, N, V]
         rows = rows * (depth < num_depths)[None, :, None]  # nodes at depth D have no drafted children
     widest = max(most_children([shape.parents]), 1)
-    return _pack_trees(tokens, parents, shape.max_depth, rows, distinct=distinct, max_children=widest)[0]
+    return _pack_trees(tokens, parents, shape.max_depth, rows, distinct=distinct, max_children=widest)
 
 
 # --------------------------------------------------------------------------------------------
@@ -874,7 +896,7 @@ def build_dynamic_tree(
     parents = torch.where(parent_ids >= 0, new_index.gather(1, parent_ids.clamp(min=0)), NO_PARENT)
     if check and not bool((kept[:, 0] == 0).all() & (parents[:, 1:] >= 0).all()):  # host sync
         raise ValueError("kept nodes are not closed under ancestors: expand must return log-probs (<= 0)")
-    tree, _ = _pack_trees(pool_tokens.gather(1, kept), parents, depth, distinct=True, max_children=top_k)
+    tree = _pack_trees(pool_tokens.gather(1, kept), parents, depth, distinct=True, max_children=top_k)
     if return_scores:
         return tree, pool_scores.gather(1, kept).flatten()
     return tree

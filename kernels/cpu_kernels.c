@@ -108,6 +108,85 @@ static void block_rows(const float *x, const uint16_t *w, const float *bias, flo
     for (; m < m1; m++) all_columns(x + m * K, w, bias, y + m * N, N, K, 1, C, m == m0 ? next : 0);
 }
 
+/* The AVX512-BF16 road (Cooper Lake, Sapphire Rapids and later Xeons, Zen 4 and later): x stays
+ * bf16 and vdpbf16ps multiplies 32 bf16 pairs per instruction into 16 fp32 lanes, with no
+ * widening. Its own fixed sequence per output: lane j accumulates the pairs k = 32i + 2j, 2j + 1
+ * in increasing i (the instruction's order within a pair), the K % 32 tail as one masked step
+ * with zeros past K, then the 16 lanes folded in one fixed order. A given CPU gives each row the
+ * same bits alone or among others, as on the AVX2 road; the two roads differ from each other in
+ * the last bits, so a process keeps one (treespec_set_isa, called once at load). */
+enum { ISA_AVX2 = 0, ISA_AVX512_BF16 = 2 };
+static int g_isa = ISA_AVX2;
+
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+BF16_TARGET static inline float lanes_sum16(__m512 v) {
+    const __m256 lo = _mm512_castps512_ps256(v);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return lanes_sum(_mm256_add_ps(lo, hi));
+}
+
+BF16_TARGET static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, const uint16_t *w,
+                                                                        const float *bias, float *y, int64_t N,
+                                                                        int64_t K, const int R, const int C,
+                                                                        const char *prefetch) {
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    const int64_t K32 = K & ~(int64_t)31;
+    for (int64_t k = 0; k < K32; k += 32) {
+        if (prefetch) /* four lines of the next weight rows per 32 columns (see block_rows) */
+            for (int line = 0; line < 4; line++) _mm_prefetch(prefetch + k * 8 + line * 64, _MM_HINT_T0);
+        __m512i wv[4];
+        for (int c = 0; c < C; c++) wv[c] = _mm512_loadu_si512((const void *)(w + c * K + k));
+        for (int r = 0; r < R; r++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(x + r * K + k));
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv, (__m512bh)wv[c]);
+        }
+    }
+    if (K32 < K) {
+        const __mmask32 tail = (__mmask32)((1ull << (K - K32)) - 1);
+        __m512i wv[4];
+        for (int c = 0; c < C; c++) wv[c] = _mm512_maskz_loadu_epi16(tail, w + c * K + K32);
+        for (int r = 0; r < R; r++) {
+            const __m512i xv = _mm512_maskz_loadu_epi16(tail, x + r * K + K32);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv, (__m512bh)wv[c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const float dot = lanes_sum16(acc[r][c]);
+            y[r * N + c] = bias ? dot + bias[c] : dot;
+        }
+}
+
+BF16_TARGET static inline __attribute__((always_inline)) void columns_bf16(const uint16_t *x, const uint16_t *w,
+                                                                           const float *bias, float *y, int64_t N,
+                                                                           int64_t K, const int R, int C,
+                                                                           const char *prefetch) {
+    switch (C) {
+        case 4: tile_bf16(x, w, bias, y, N, K, R, 4, prefetch); break;
+        case 3: tile_bf16(x, w, bias, y, N, K, R, 3, prefetch); break;
+        case 2: tile_bf16(x, w, bias, y, N, K, R, 2, prefetch); break;
+        default: tile_bf16(x, w, bias, y, N, K, R, 1, prefetch); break;
+    }
+}
+
+/* block_rows on the AVX512-BF16 road: 32 registers hold 4 x 4 accumulators, so every tile takes
+ * all C weight rows at once. */
+BF16_TARGET static void block_rows_bf16(const uint16_t *x, const uint16_t *w, const float *bias, float *y,
+                                        int64_t m0, int64_t m1, int64_t N, int64_t K, int C) {
+    const char *next = (const char *)(w + C * K);
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) columns_bf16(x + m * K, w, bias, y + m * N, N, K, 4, C, m == m0 ? next : 0);
+    for (; m + 2 <= m1; m += 2) columns_bf16(x + m * K, w, bias, y + m * N, N, K, 2, C, m == m0 ? next : 0);
+    for (; m < m1; m++) columns_bf16(x + m * K, w, bias, y + m * N, N, K, 1, C, m == m0 ? next : 0);
+}
+
+/* The road this process takes: ISA_AVX2 or ISA_AVX512_BF16 (the caller has checked the CPU). */
+void treespec_set_isa(int isa) { g_isa = isa; }
+int treespec_get_isa(void) { return g_isa; }
+
 static inline float widen_one(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -123,6 +202,36 @@ static inline uint16_t round_bf16(float f) { /* round to nearest even, as PyTorc
     return (uint16_t)(bits >> 16);
 }
 
+/* One thread's share of y_i = x W_i^T + bias_i for `count` matrices read from the same x (fp32
+ * [M, K]): thread `me` of `threads` takes a contiguous range of the matrices' weight-row quads
+ * (matrix i owns quads first_quad[i] .. first_quad[i+1]-1) and computes them for every row of x,
+ * by blocks of ROW_BLOCK rows. y_i are fp32 [M, N_i]; biases fp32 (each may be NULL). */
+static void linear_share(int64_t me, int64_t threads, const float *x, const uint16_t *xb, int64_t M, int64_t K,
+                         int count, const uint16_t *const *w, const float *const *bias, float *const *y,
+                         const int64_t *N, const int64_t *first_quad) {
+    const int bf16 = g_isa == ISA_AVX512_BF16 && xb;
+    const int64_t quads = first_quad[count];
+    const int64_t q0 = quads * me / threads, q1 = quads * (me + 1) / threads;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
+        int i = 0;
+        for (int64_t q = q0; q < q1; q++) {
+            while (q >= first_quad[i + 1]) i++;
+            const int64_t n = 4 * (q - first_quad[i]);
+            const int C = N[i] - n < 4 ? (int)(N[i] - n) : 4;
+            if (bf16)
+                block_rows_bf16(xb, w[i] + n * K, bias[i] ? bias[i] + n : 0, y[i] + n, m0, m1, N[i], K, C);
+            else
+                block_rows(x, w[i] + n * K, bias[i] ? bias[i] + n : 0, y[i] + n, m0, m1, N[i], K, C);
+        }
+    }
+}
+
+static void quad_offsets(int count, const int64_t *N, int64_t *first_quad) {
+    first_quad[0] = 0;
+    for (int i = 0; i < count; i++) first_quad[i + 1] = first_quad[i] + (N[i] + 3) / 4;
+}
+
 /* For each of `count` matrices i: y_i[M, N_i] = x[M, K] W_i[N_i, K]^T + bias_i[N_i], in one
  * parallel pass (q/k/v or gate/up of a layer read the same x: one call instead of three). x and
  * the y_i are bf16 when x_bf16 / y_bf16, else fp32; the W_i and the biases (each may be NULL) are
@@ -130,36 +239,26 @@ static inline uint16_t round_bf16(float f) { /* round to nearest even, as PyTorc
 void treespec_linear_bf16_many(const void *x_in, int x_bf16, int count, const uint16_t *const *w,
                                const uint16_t *const *bias_in, void *const *y_out, int y_bf16, int64_t M,
                                const int64_t *N, int64_t K) {
-    float *x = x_bf16 ? malloc(sizeof(float) * M * K) : (float *)x_in;
-    if (x_bf16 && !x) abort();
-    if (x_bf16)
-        for (int64_t i = 0; i < M * K; i++) x[i] = widen_one(((const uint16_t *)x_in)[i]);
+    const uint16_t *xb = x_bf16 ? x_in : 0; /* the bf16 road reads it as it is */
+    const int widen = x_bf16 && g_isa != ISA_AVX512_BF16;
+    float *x = widen ? malloc(sizeof(float) * M * K) : (float *)x_in;
+    if (widen && !x) abort();
+    if (widen)
+        for (int64_t i = 0; i < M * K; i++) x[i] = widen_one(xb[i]);
     float *y[count], *bias[count];
-    int64_t first_quad[count + 1]; /* matrix i owns global quads first_quad[i] .. first_quad[i+1]-1 */
-    first_quad[0] = 0;
+    int64_t first_quad[count + 1];
+    quad_offsets(count, N, first_quad);
     for (int i = 0; i < count; i++) {
         y[i] = y_bf16 ? malloc(sizeof(float) * M * N[i]) : (float *)y_out[i];
         bias[i] = bias_in[i] ? malloc(sizeof(float) * N[i]) : 0;
         if ((y_bf16 && !y[i]) || (bias_in[i] && !bias[i])) abort();
         if (bias[i])
             for (int64_t n = 0; n < N[i]; n++) bias[i][n] = widen_one(bias_in[i][n]);
-        first_quad[i + 1] = first_quad[i] + (N[i] + 3) / 4;
     }
-    const int64_t quads = first_quad[count];
 #pragma omp parallel
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t q0 = quads * me / threads, q1 = quads * (me + 1) / threads;
-        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-            const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
-            int i = 0;
-            for (int64_t q = q0; q < q1; q++) {
-                while (q >= first_quad[i + 1]) i++;
-                const int64_t n = 4 * (q - first_quad[i]);
-                block_rows(x, w[i] + n * K, bias[i] ? bias[i] + n : 0, y[i] + n, m0, m1, N[i], K,
-                           N[i] - n < 4 ? (int)(N[i] - n) : 4);
-            }
-        }
+        linear_share(me, threads, x, xb, M, K, count, w, (const float *const *)bias, y, N, first_quad);
         if (y_bf16) {
 #pragma omp barrier
             for (int i = 0; i < count; i++) {
@@ -169,7 +268,7 @@ void treespec_linear_bf16_many(const void *x_in, int x_bf16, int count, const ui
             }
         }
     }
-    if (x_bf16) free(x);
+    if (widen) free(x);
     for (int i = 0; i < count; i++) {
         if (y_bf16) free(y[i]);
         free(bias[i]);
@@ -227,59 +326,319 @@ static inline float dot1(const float *q, const uint16_t *k, int64_t D) {
     return add_tail(q, k, D8, D, lanes_sum(a));
 }
 
+/* Per-thread scratch of the attention: scores and key positions for up to L + 4 keys, one query
+ * and one accumulator row. */
+typedef struct {
+    float *scores, *qf, *acc;
+    int64_t *keys;
+} attention_scratch;
+
+static attention_scratch scratch_new(int64_t L, int64_t D) {
+    attention_scratch s = {malloc(sizeof(float) * (L + 4)), malloc(sizeof(float) * D), malloc(sizeof(float) * D),
+                           malloc(sizeof(int64_t) * (L + 4))};
+    if (!s.scores || !s.qf || !s.acc || !s.keys) abort();
+    return s;
+}
+
+static void scratch_free(attention_scratch s) {
+    free(s.scores);
+    free(s.qf);
+    free(s.acc);
+    free(s.keys);
+}
+
+/* Row t's attention for KV head kvh and its group of query heads (q and out [T, Hq, D]; the
+ * caches one layer's [S, Hkv, L, D]). */
+static void attend_item(int64_t t, int64_t kvh, const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                        uint16_t *out, const int64_t *row_slot, const int64_t *row_prefix, const int64_t *row_index,
+                        const int64_t *row_new, const int32_t *mask, int64_t W, int64_t Hq, int64_t Hkv, int64_t L,
+                        int64_t D, float sm_scale, attention_scratch s) {
+    const int64_t group = Hq / Hkv, D8 = D & ~(int64_t)7;
+    const uint16_t *kbase = k_cache + (row_slot[t] * Hkv + kvh) * L * D;
+    const uint16_t *vbase = v_cache + (row_slot[t] * Hkv + kvh) * L * D;
+    const int32_t *mask_row = mask ? mask + t * W : 0;
+    float *scores = s.scores, *qf = s.qf, *acc = s.acc;
+    int64_t *keys = s.keys, n = 0;
+    for (int64_t p = 0; p < row_prefix[t]; p++) keys[n++] = p;
+    for (int64_t j = 0; j < row_new[t]; j++)
+        if (key_visible(mask_row, j, row_index[t])) keys[n++] = row_prefix[t] + j;
+    for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
+        const int64_t head = t * Hq + h;
+        for (int64_t d = 0; d < D; d++) qf[d] = widen_one(q[head * D + d]);
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4)
+            dot4(qf, kbase + keys[i] * D, kbase + keys[i + 1] * D, kbase + keys[i + 2] * D, kbase + keys[i + 3] * D, D,
+                 scores + i);
+        for (; i < n; i++) scores[i] = dot1(qf, kbase + keys[i] * D, D);
+        float best = -INFINITY;
+        for (i = 0; i < n; i++) {
+            scores[i] *= sm_scale;
+            if (scores[i] > best) best = scores[i];
+        }
+        float total = 0.0f;
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        for (i = 0; i < n; i++) {
+            const float e = expf(scores[i] - best);
+            total += e;
+            const uint16_t *v = vbase + keys[i] * D;
+            const __m256 ev = _mm256_set1_ps(e);
+            int64_t d = 0;
+            for (; d < D8; d += 8)
+                _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(ev, widen_bf16(v + d), _mm256_loadu_ps(acc + d)));
+            for (; d < D; d++) acc[d] = __builtin_fmaf(e, widen_one(v[d]), acc[d]);
+        }
+        for (int64_t d = 0; d < D; d++) out[head * D + d] = round_bf16(acc[d] / total);
+    }
+}
+
 void treespec_tree_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out,
                                   const int64_t *row_slot, const int64_t *row_prefix, const int64_t *row_index,
                                   const int64_t *row_new, const int32_t *mask, int64_t W, int64_t T, int64_t Hq,
                                   int64_t Hkv, int64_t L, int64_t D, float sm_scale) {
-    const int64_t group = Hq / Hkv;
-    const int64_t D8 = D & ~(int64_t)7;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (L + 4));
-        int64_t *keys = malloc(sizeof(int64_t) * (L + 4));
-        float *qf = malloc(sizeof(float) * D), *acc = malloc(sizeof(float) * D);
-        if (!scores || !keys || !qf || !acc) abort();
+        attention_scratch s = scratch_new(L, D);
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < T * Hkv; item++) { /* one row, one KV head, its group of query heads */
-            const int64_t t = item / Hkv, kvh = item % Hkv;
-            const uint16_t *kbase = k_cache + (row_slot[t] * Hkv + kvh) * L * D;
-            const uint16_t *vbase = v_cache + (row_slot[t] * Hkv + kvh) * L * D;
-            const int32_t *mask_row = mask ? mask + t * W : 0;
-            int64_t n = 0;
-            for (int64_t p = 0; p < row_prefix[t]; p++) keys[n++] = p;
-            for (int64_t j = 0; j < row_new[t]; j++)
-                if (key_visible(mask_row, j, row_index[t])) keys[n++] = row_prefix[t] + j;
-            for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
-                const int64_t head = t * Hq + h;
-                for (int64_t d = 0; d < D; d++) qf[d] = widen_one(q[head * D + d]);
-                int64_t i = 0;
-                for (; i + 4 <= n; i += 4)
-                    dot4(qf, kbase + keys[i] * D, kbase + keys[i + 1] * D, kbase + keys[i + 2] * D,
-                         kbase + keys[i + 3] * D, D, scores + i);
-                for (; i < n; i++) scores[i] = dot1(qf, kbase + keys[i] * D, D);
-                float best = -INFINITY;
-                for (i = 0; i < n; i++) {
-                    scores[i] *= sm_scale;
-                    if (scores[i] > best) best = scores[i];
-                }
-                float total = 0.0f;
-                for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-                for (i = 0; i < n; i++) {
-                    const float e = expf(scores[i] - best);
-                    total += e;
-                    const uint16_t *v = vbase + keys[i] * D;
-                    const __m256 ev = _mm256_set1_ps(e);
-                    int64_t d = 0;
-                    for (; d < D8; d += 8)
-                        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(ev, widen_bf16(v + d), _mm256_loadu_ps(acc + d)));
-                    for (; d < D; d++) acc[d] = __builtin_fmaf(e, widen_one(v[d]), acc[d]);
-                }
-                for (int64_t d = 0; d < D; d++) out[head * D + d] = round_bf16(acc[d] / total);
-            }
-        }
-        free(scores);
-        free(keys);
-        free(qf);
-        free(acc);
+        for (int64_t item = 0; item < T * Hkv; item++) /* one row, one KV head, its group of query heads */
+            attend_item(item / Hkv, item % Hkv, q, k_cache, v_cache, out, row_slot, row_prefix, row_index, row_new,
+                        mask, W, Hq, Hkv, L, D, sm_scale, s);
+        scratch_free(s);
     }
+}
+
+/* A whole Llama-style decoder stack for one step, in one call: for each layer
+ *   x = RMSNorm(h); q, k, v = x Wq, x Wk, x Wv (+ biases); rotary on q and k; K/V to the cache;
+ *   a = tree attention; h = h + a Wo; x = RMSNorm(h); h = h + (SiLU(x Wg) * (x Wu)) Wd
+ * and the final RMSNorm, for T rows at once (a step's new tokens of every request). The values
+ * are rounded to bf16 where a bf16 Hugging Face model rounds them (every linear output, each
+ * product and sum of the rotary, the normed rows before and after their weight, SiLU, its
+ * product, each residual sum), and each output is computed by one fixed sequence whatever T is:
+ * the linear layers and the attention are the kernels above, and the row-wise parts (RMSNorm's
+ * sum of squares, SiLU, the rotary) read only their own row. So the stack is batch-invariant as
+ * the per-layer path is, and agrees with it up to RMSNorm's summation order and expf.
+ *
+ * One OpenMP region for the whole stack: every thread runs every phase on its share, with a
+ * barrier between phases, instead of a parallel region (and a Python call) per operator.
+ *
+ * hidden   [T, H] bf16: the embeddings in, the final normed rows out
+ * weights  per layer, W_COUNT pointers (enum below): bf16 matrices in nn.Linear layout and bf16
+ *          norm weights; the q/k/v biases fp32 (exact widenings) or NULL
+ * cos, sin [T, D] bf16 rotary tables of each row's position (the model's own, as HF casts them)
+ * caches   [layers, S, Hkv, L, D] bf16; row t writes position row_prefix[t] + row_index[t] of
+ *          row row_slot[t] and attends as treespec_tree_attention_bf16 does
+ * layer_out  [layers] pointers, each [T, H] bf16 or NULL: the residual stream after layer i */
+enum { W_IN_NORM, W_Q, W_K, W_V, W_O, W_POST_NORM, W_GATE, W_UP, W_DOWN, W_Q_BIAS, W_K_BIAS, W_V_BIAS, W_COUNT };
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* Rows r0..r1 of h [., H] bf16: RMSNorm with weight w, into out_f (fp32 widenings of the bf16
+ * result, what the next linear reads) and, when out_b, the bf16 rows themselves. */
+static void rmsnorm_rows(const uint16_t *h, const uint16_t *w, float eps, int64_t r0, int64_t r1, int64_t H,
+                         float *out_f, uint16_t *out_b) {
+    const int64_t H8 = H & ~(int64_t)7;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *row = h + r * H;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k = 0; k < H8; k += 8) {
+            const __m256 v = widen_bf16(row + k);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float sum = lanes_sum(acc);
+        for (int64_t k = H8; k < H; k++) sum = __builtin_fmaf(widen_one(row[k]), widen_one(row[k]), sum);
+        const float inv = 1.0f / sqrtf(sum / (float)H + eps);
+        for (int64_t k = 0; k < H; k++) {
+            const uint16_t normed = round_bf16(widen_one(row[k]) * inv);
+            const uint16_t scaled = round_bf16(widen_one(w[k]) * widen_one(normed));
+            out_f[r * H + k] = widen_one(scaled);
+            if (out_b) out_b[r * H + k] = scaled;
+        }
+    }
+}
+
+static inline uint16_t bf16_mul(uint16_t a, uint16_t b) { return round_bf16(widen_one(a) * widen_one(b)); }
+static inline uint16_t bf16_add(uint16_t a, uint16_t b) { return round_bf16(widen_one(a) + widen_one(b)); }
+
+/* HF's rotary, rounded as a bf16 model rounds it: x * cos + rotate_half(x) * sin, with
+ * rotate_half(x) = (-x[D/2:], x[:D/2]); src and dst one head's D values (fp32 linear outputs). */
+static inline void rotary(const float *src, const uint16_t *cos, const uint16_t *sin, int64_t D, uint16_t *dst) {
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < D; d++) {
+        const uint16_t x = round_bf16(src[d]);
+        const uint16_t other = round_bf16(d < half ? -src[d + half] : src[d - half]);
+        dst[d] = bf16_add(bf16_mul(x, cos[d]), bf16_mul(other, sin[d]));
+    }
+}
+
+/* Where a step's time goes, phase by phase (built with -DTREESPEC_PHASE_TIMES only, by
+ * scripts/profile_step.py --phases): thread 0's wall time from barrier to barrier, summed. */
+#ifdef TREESPEC_PHASE_TIMES
+double treespec_phase_seconds[16];
+static double phase_last;
+#define MARK(i)                                                             \
+    do {                                                                    \
+        if (me == 0) {                                                      \
+            const double now = omp_get_wtime();                             \
+            treespec_phase_seconds[i] += now - phase_last;                  \
+            phase_last = now;                                               \
+        }                                                                   \
+    } while (0)
+#define MARK_START() (phase_last = omp_get_wtime())
+#else
+#define MARK(i) ((void)0)
+#define MARK_START() ((void)0)
+#endif
+
+void treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const uint16_t *final_norm,
+                           int64_t num_layers, int64_t T, int64_t H, int64_t I, int64_t Hq, int64_t Hkv, int64_t D,
+                           float eps, float sm_scale, const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache,
+                           uint16_t *v_cache, int64_t S, int64_t L, const int64_t *row_slot,
+                           const int64_t *row_prefix, const int64_t *row_index, const int64_t *row_new,
+                           const int32_t *mask, int64_t W, uint16_t *const *layer_out) {
+    const int64_t QD = Hq * D, KD = Hkv * D, layer_cache = S * Hkv * L * D;
+    const int64_t widest_in = H > I ? (H > QD ? H : QD) : (I > QD ? I : QD);
+    const int64_t widest_out = QD + 2 * KD > 2 * I ? QD + 2 * KD : 2 * I;
+    float *x = malloc(sizeof(float) * T * widest_in);                      /* the next linear's input */
+    float *y = malloc(sizeof(float) * T * (widest_out > H ? widest_out : H)); /* linear outputs */
+    uint16_t *xb = malloc(sizeof(uint16_t) * T * widest_in); /* the same input in bf16 (AVX512-BF16 road) */
+    uint16_t *qb = malloc(sizeof(uint16_t) * T * QD), *attn = malloc(sizeof(uint16_t) * T * QD);
+    if (!x || !xb || !y || !qb || !attn) abort();
+    const int64_t n_qkv[3] = {QD, KD, KD}, n_gu[2] = {I, I}, n_h[1] = {H};
+    int64_t fq_qkv[4], fq_gu[3], fq_h[2], fq_down[2];
+    quad_offsets(3, n_qkv, fq_qkv);
+    quad_offsets(2, n_gu, fq_gu);
+    quad_offsets(1, n_h, fq_h);
+    quad_offsets(1, n_h, fq_down);
+    float *y_qkv[3] = {y, y + T * QD, y + T * (QD + KD)}, *y_gu[2] = {y, y + T * I}, *y_h[1] = {y};
+    MARK_START();
+#pragma omp parallel
+    {
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t r0 = T * me / threads, r1 = T * (me + 1) / threads;
+        attention_scratch s = scratch_new(L, D);
+        for (int64_t layer = 0; layer < num_layers; layer++) {
+            const void *const *lw = weights + layer * W_COUNT;
+            uint16_t *kc = k_cache + layer * layer_cache, *vc = v_cache + layer * layer_cache;
+            rmsnorm_rows(hidden, lw[W_IN_NORM], eps, r0, r1, H, x, xb);
+#pragma omp barrier
+            MARK(0);
+            const uint16_t *w_qkv[3] = {lw[W_Q], lw[W_K], lw[W_V]};
+            const float *b_qkv[3] = {lw[W_Q_BIAS], lw[W_K_BIAS], lw[W_V_BIAS]};
+            linear_share(me, threads, x, xb, T, H, 3, w_qkv, b_qkv, y_qkv, n_qkv, fq_qkv);
+#pragma omp barrier
+            MARK(1);
+            /* rotary on q and k, K/V into the cache: one (row, head) item at a time */
+            for (int64_t item = (T * (Hq + Hkv)) * me / threads; item < (T * (Hq + Hkv)) * (me + 1) / threads; item++) {
+                const int64_t t = item / (Hq + Hkv), head = item % (Hq + Hkv);
+                const uint16_t *c = cos + t * D, *sn = sin + t * D;
+                if (head < Hq) {
+                    rotary(y_qkv[0] + t * QD + head * D, c, sn, D, qb + t * QD + head * D);
+                } else {
+                    const int64_t kvh = head - Hq, at = ((row_slot[t] * Hkv + kvh) * L + row_prefix[t] + row_index[t]) * D;
+                    rotary(y_qkv[1] + t * KD + kvh * D, c, sn, D, kc + at);
+                    const float *v = y_qkv[2] + t * KD + kvh * D;
+                    for (int64_t d = 0; d < D; d++) vc[at + d] = round_bf16(v[d]);
+                }
+            }
+#pragma omp barrier
+            MARK(2);
+            for (int64_t item = (T * Hkv) * me / threads; item < (T * Hkv) * (me + 1) / threads; item++)
+                attend_item(item / Hkv, item % Hkv, qb, kc, vc, attn, row_slot, row_prefix, row_index, row_new, mask, W,
+                            Hq, Hkv, L, D, sm_scale, s);
+#pragma omp barrier
+            MARK(3);
+            if (g_isa != ISA_AVX512_BF16) {
+                for (int64_t e = (T * QD) * me / threads; e < (T * QD) * (me + 1) / threads; e++)
+                    x[e] = widen_one(attn[e]);
+#pragma omp barrier
+            MARK(4);
+            }
+            const uint16_t *w_o[1] = {lw[W_O]};
+            const float *no_bias[2] = {0, 0};
+            linear_share(me, threads, x, attn, T, QD, 1, w_o, no_bias, y_h, n_h, fq_h);
+#pragma omp barrier
+            MARK(5);
+            for (int64_t e = T * H * me / threads; e < T * H * (me + 1) / threads; e++)
+                hidden[e] = bf16_add(hidden[e], round_bf16(y[e]));
+#pragma omp barrier
+            MARK(6);
+            rmsnorm_rows(hidden, lw[W_POST_NORM], eps, r0, r1, H, x, xb);
+#pragma omp barrier
+            MARK(7);
+            const uint16_t *w_gu[2] = {lw[W_GATE], lw[W_UP]};
+            linear_share(me, threads, x, xb, T, H, 2, w_gu, no_bias, y_gu, n_gu, fq_gu);
+#pragma omp barrier
+            MARK(8);
+            for (int64_t e = T * I * me / threads; e < T * I * (me + 1) / threads; e++) {
+                const uint16_t act = round_bf16(silu(widen_one(round_bf16(y_gu[0][e]))));
+                xb[e] = bf16_mul(act, round_bf16(y_gu[1][e]));
+                x[e] = widen_one(xb[e]);
+            }
+#pragma omp barrier
+            MARK(9);
+            const uint16_t *w_d[1] = {lw[W_DOWN]};
+            linear_share(me, threads, x, xb, T, I, 1, w_d, no_bias, y_h, n_h, fq_down);
+#pragma omp barrier
+            MARK(10);
+            for (int64_t e = T * H * me / threads; e < T * H * (me + 1) / threads; e++) {
+                hidden[e] = bf16_add(hidden[e], round_bf16(y[e]));
+                if (layer_out[layer]) layer_out[layer][e] = hidden[e];
+            }
+#pragma omp barrier
+            MARK(11);
+        }
+        rmsnorm_rows(hidden, final_norm, eps, r0, r1, H, x, hidden); /* each row reads only itself */
+#pragma omp barrier
+        MARK(12);
+        scratch_free(s);
+    }
+    free(x);
+    free(xb);
+    free(y);
+    free(qb);
+    free(attn);
+}
+
+/* The arithmetic peak of a road, for the kernel micro-benchmark (scripts/bench_kernels.py --cpu):
+ * every thread runs twelve independent chains of fp32 FMAs (AVX2: 16 flops each) or of bf16 dot
+ * products (AVX512-BF16: 64 flops each) from registers, `iterations` times. Returns flops per
+ * second over all threads. */
+BF16_TARGET static double peak_bf16(int64_t iterations) {
+    __m512 acc[12];
+    const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3c00);
+    for (int i = 0; i < 12; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t n = 0; n < iterations; n++)
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+    float sink = 0.0f;
+    for (int i = 0; i < 12; i++) sink += lanes_sum16(acc[i]);
+    return sink;
+}
+
+static double peak_fma(int64_t iterations) {
+    __m256 acc[12];
+    const __m256 a = _mm256_set1_ps(1.0f), b = _mm256_set1_ps(1e-8f);
+    for (int i = 0; i < 12; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t n = 0; n < iterations; n++)
+        for (int i = 0; i < 12; i++) acc[i] = _mm256_fmadd_ps(a, b, acc[i]);
+    float sink = 0.0f;
+    for (int i = 0; i < 12; i++) sink += lanes_sum(acc[i]);
+    return sink;
+}
+
+double treespec_peak_flops(int isa, int64_t iterations) {
+    double start = 0.0, seconds = 0.0, sink = 0.0;
+    int threads = 1;
+#pragma omp parallel reduction(+ : sink)
+    {
+#pragma omp single
+        threads = omp_get_num_threads();
+#pragma omp barrier
+#pragma omp master
+        start = omp_get_wtime();
+        sink += isa == ISA_AVX512_BF16 ? peak_bf16(iterations) : peak_fma(iterations);
+#pragma omp barrier
+#pragma omp master
+        seconds = omp_get_wtime() - start;
+    }
+    if (sink == -1.0) return 0.0; /* keeps the chains live */
+    return (double)threads * (double)iterations * 12.0 * (isa == ISA_AVX512_BF16 ? 64.0 : 16.0) / seconds;
 }

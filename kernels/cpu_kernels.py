@@ -46,42 +46,123 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+# The instruction-set roads of the linear kernel, slowest first, and the CPU flags each needs. The
+# roads differ in their last bits (each is batch-invariant on its own), so a process takes one.
+ISAS = {"avx2": 0, "avx512bf16": 2}
+ISA_FLAGS = {"avx2": {"avx2", "fma"}, "avx512bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}}
+
+
+def best_isa(flags: set[str] | None = None) -> str | None:
+    """The fastest road this CPU has (None: not even AVX2 and FMA)."""
+    flags = _cpu_flags() if flags is None else flags
+    roads = [name for name, needs in ISA_FLAGS.items() if needs <= flags]
+    return roads[-1] if roads else None
+
+
+def _chosen_isa() -> str:
+    """The best road, capped by ``TREESPEC_CPU_ISA`` (``avx2`` runs the AVX2 road on a CPU that
+    has more, which is how the tests reach every road on one machine)."""
+    best = best_isa() or "avx2"
+    cap = os.environ.get("TREESPEC_CPU_ISA", "").strip().lower()
+    if not cap:
+        return best
+    if cap not in ISAS:
+        raise ValueError(f"TREESPEC_CPU_ISA must be one of {', '.join(ISAS)}, got {cap!r}")
+    return cap if ISAS[cap] <= ISAS[best] else best
+
+
+def isa() -> str:
+    """The road the kernels take in this process (building them first)."""
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"treespec's CPU kernels are unavailable: {unavailable_reason()}")
+    code = lib.treespec_get_isa()
+    return next(name for name, value in ISAS.items() if value == code)
+
+
+def set_isa(name: str) -> str:
+    """Switch the road and return the previous one. For tests and benchmarks that compare the
+    roads: outputs computed before and after a switch are not batch-invariant to each other, so
+    nothing that mixes them (an engine's run) may be in flight. Refuses a road this CPU lacks."""
+    if name not in ISAS:
+        raise ValueError(f"the CPU kernels' roads are {', '.join(ISAS)}, got {name!r}")
+    missing = ISA_FLAGS[name] - _cpu_flags()
+    if missing:
+        raise ValueError(f"the {name} road needs {', '.join(sorted(missing))}, which this CPU lacks")
+    previous = isa()
+    _load()[0].treespec_set_isa(ISAS[name])
+    return previous
+
+
 def _cache_dir() -> Path:
     home = os.environ.get("TREESPEC_HOME")
     return (Path(home) if home else Path.home() / ".cache" / "treespec") / "kernels"
 
 
+BUILD_TIMEOUT_S = 120.0  # a compiler that hangs is a failed build, not a hung import
+
+
+def build_library(
+    extra_flags: tuple[str, ...] = (), name: str = "treespec_cpu_kernels"
+) -> tuple[Path | None, str]:
+    """Compile the C file (with ``extra_flags``, e.g. ``-DTREESPEC_PHASE_TIMES`` for the profiling
+    build) into the kernel cache, keyed by a hash of source, compiler and flags. Returns the
+    library's path, or None and why it could not be built (no compiler, an unwritable cache, a
+    compiler error, a timeout); never raises for those."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler (cc or gcc) on PATH"
+    flags = [*FLAGS, *extra_flags]
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join([compiler, *flags, *LIBS]).encode()).hexdigest()[:16]
+    library = _cache_dir() / f"{name}_{digest}.so"
+    if library.exists():
+        return library, ""
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as build:
+            built = Path(build) / library.name
+            command = [compiler, *flags, str(SOURCE), "-o", str(built), *LIBS]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if result.returncode != 0:
+                return None, f"building {SOURCE.name} failed: {result.stderr.strip()[-500:]}"
+            os.replace(built, library)  # atomic: a concurrent build never sees half a file
+    except subprocess.TimeoutExpired:
+        return None, f"building {SOURCE.name} took over {BUILD_TIMEOUT_S:g} s ({compiler})"
+    except OSError as error:  # an unwritable or full cache directory, a compiler that cannot start
+        return None, f"building {SOURCE.name} in {library.parent} failed: {error}"
+    for stale in library.parent.glob(f"{name}_*.so"):  # this build's earlier sources
+        if stale != library:
+            stale.unlink(missing_ok=True)  # a process that loaded one keeps its mapping
+    return library, ""
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """The loaded library, or None and the reason it is not there."""
+    return load_library()
+
+
+def load_library(
+    extra_flags: tuple[str, ...] = (), name: str = "treespec_cpu_kernels"
+) -> tuple[ctypes.CDLL | None, str]:
+    """Build (:func:`build_library`) and load the kernels, declaring their signatures; None and
+    the reason where this machine cannot have them."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"needs x86-64 Linux, this is {platform.system()} {platform.machine()}"
     missing = {"avx2", "fma"} - _cpu_flags()
     if missing:
         return None, f"this CPU lacks {', '.join(sorted(missing))}"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None, "no C compiler (cc or gcc) on PATH"
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join([compiler, *FLAGS, *LIBS]).encode()).hexdigest()[:16]
-    library = _cache_dir() / f"treespec_cpu_kernels_{digest}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as build:
-            built = Path(build) / library.name
-            result = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built), *LIBS], capture_output=True, text=True
-            )
-            if result.returncode != 0:
-                return None, f"building {SOURCE.name} failed: {result.stderr.strip()[-500:]}"
-            os.replace(built, library)  # atomic: a concurrent build never sees half a file
-        for stale in library.parent.glob("treespec_cpu_kernels_*.so"):  # builds of earlier sources
-            if stale != library:
-                stale.unlink(missing_ok=True)  # a process that loaded one keeps its mapping
+    library, reason = build_library(extra_flags, name)
+    if library is None:
+        return None, reason
     try:
         lib = ctypes.CDLL(str(library))  # libgomp.so.1 resolves to the one torch already loaded
     except OSError as error:
         return None, f"loading {library} failed: {error}"
+    lib.treespec_get_isa.restype = ctypes.c_int
+    lib.treespec_peak_flops.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.treespec_peak_flops.restype = ctypes.c_double
     lib.treespec_linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 3  # fmt: skip
     lib.treespec_linear_bf16.restype = None
@@ -93,6 +174,18 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 6 + [ctypes.c_float]
     )
     lib.treespec_tree_attention_bf16.restype = None
+    lib.treespec_decoder_bf16.argtypes = (
+        [ctypes.c_void_p] * 3
+        + [ctypes.c_int64] * 7
+        + [ctypes.c_float] * 2
+        + [ctypes.c_void_p] * 4
+        + [ctypes.c_int64] * 2
+        + [ctypes.c_void_p] * 5
+        + [ctypes.c_int64, ctypes.c_void_p]
+    )
+    lib.treespec_decoder_bf16.restype = None
+    lib.treespec_set_isa.argtypes = [ctypes.c_int]
+    lib.treespec_set_isa(ISAS[_chosen_isa()])
     return lib, ""
 
 
@@ -193,3 +286,66 @@ def tree_attention_bf16(
         words, num_rows, num_heads, kv_heads, max_len, head_dim, sm_scale,
     )  # fmt: skip
     return out
+
+
+def decoder_bf16(
+    hidden: torch.Tensor,
+    table: ctypes.Array,
+    final_norm: torch.Tensor,
+    num_layers: int,
+    num_rows: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+    sm_scale: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    num_slots: int,
+    max_len: int,
+    row_slot: torch.Tensor,
+    row_prefix: torch.Tensor,
+    row_index: torch.Tensor,
+    row_new: torch.Tensor,
+    mask: torch.Tensor | None,
+    words: int,
+    layer_out: ctypes.Array,
+) -> None:
+    """The fused decoder stack (``treespec_decoder_bf16`` in the C file) over ``hidden`` [T, H]
+    bf16 in place. Raw pointers: :class:`treespec.fused.FusedDecoder` lays out and owns every
+    argument; nothing here checks them beyond the cache's layout."""
+    if not (keys.is_contiguous() and values.is_contiguous() and keys.dtype is torch.bfloat16):
+        raise ValueError(f"the fused decoder needs contiguous bf16 caches, got {keys.dtype}")
+    _load()[0].treespec_decoder_bf16(
+        hidden.data_ptr(), table, final_norm.data_ptr(), num_layers, num_rows, hidden_size, intermediate_size,
+        num_heads, num_kv_heads, head_dim, eps, sm_scale, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+        values.data_ptr(), num_slots, max_len, row_slot.data_ptr(), row_prefix.data_ptr(), row_index.data_ptr(),
+        row_new.data_ptr(), None if mask is None else mask.data_ptr(), words, layer_out,
+    )  # fmt: skip
+
+
+def peak_flops(road: str, iterations: int = 20_000_000) -> float:
+    """Measured arithmetic peak of a road over all threads (flops/s): twelve independent chains
+    per thread of fp32 FMAs (avx2) or bf16 dot products (avx512bf16), from registers."""
+    if road not in ISAS or ISA_FLAGS[road] - _cpu_flags():
+        raise ValueError(f"no {road!r} road on this CPU (roads: {', '.join(ISAS)})")
+    return _load()[0].treespec_peak_flops(ISAS[road], iterations)
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
+    """Measured read bandwidth (bytes/s): the median of ``torch.sum`` over an fp32 buffer far
+    larger than the caches, on torch's threads."""
+    import statistics
+    import time
+
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * 4 / statistics.median(times)

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from treespec import heads
 from treespec.api import generate
 from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
+from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
 from treespec.linear import LINEAR_BACKENDS
 from treespec.models import load
@@ -390,7 +391,9 @@ def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
                          "threads": torch.get_num_threads(), "device": config.device}  # fmt: skip
     target = components.target
     report["target"] = {"attention_backend": target.attention_backend, "linear_backend": target.linear_backend,
-                        "batch_invariant": target.batch_invariant}  # fmt: skip
+                        "batch_invariant": target.batch_invariant, "path": target.path,
+                        "path_reason": target.path_reason,
+                        "cpu_isa": cpu_kernels.isa() if cpu_kernels.available() else None}  # fmt: skip
     if components.cost_model is not None:
         report["forward_cost_ms"] = {
             n: 1e3 * s
@@ -508,6 +511,16 @@ def _hf_tau(runs: list[dict], new: int) -> float:
     return (new - 1) * len(runs) / steps if steps else 1.0
 
 
+def _path_line(target: dict) -> str:
+    """What ran the decoder stack: the fused C stack (on which instruction road) or the model's
+    modules, and why not fused."""
+    path = target.get("path", "modules")
+    if path == "fused":
+        return f"fused ({target.get('cpu_isa')})"
+    reason = target.get("path_reason")
+    return f"modules ({reason})" if reason else "modules"
+
+
 def format_report(report: dict, verbose: bool = False) -> str:
     """The table, its legend, speedups and tau per category, and a closing summary; with
     ``verbose``, where each differing prompt first differs."""
@@ -517,7 +530,8 @@ def format_report(report: dict, verbose: bool = False) -> str:
     if "target" in report:
         t = report["target"]
         lines.insert(0, f"treespec target: attention {t['attention_backend']}, linear {t['linear_backend']}, "
-                        f"batch-invariant {'yes' if t['batch_invariant'] else 'no'}")  # fmt: skip
+                        f"batch-invariant {'yes' if t['batch_invariant'] else 'no'}, "
+                        f"decoder {_path_line(t)}")  # fmt: skip
     for m in report["methods"]:
         identity = m.get("identity")
         same, tie, diff = (

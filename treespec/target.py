@@ -16,6 +16,7 @@ written to cache position ``prefix_lens[b] + i`` before attention.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from treespec import linear
 from treespec.cache import KVCache
+from treespec.fused import FusedDecoder, env_refusal, fused_refusal
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import (
     AttentionPlan,
@@ -42,6 +44,16 @@ from treespec.kernels.tree_attention import (
 )
 
 ATTENTION_NAME = "treespec"
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """A fallback's reason, warned once per process."""
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 STEP_KWARG = "treespec_step"
 
 
@@ -291,6 +303,7 @@ class Target:
         attention_backend: str = "auto",
         linear_backend: str = "auto",
         batch_invariant: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         """``attention_backend``: "auto" (Triton on CUDA, the PyTorch reference elsewhere),
         "triton", "reference" or "cpu"; a forced backend that cannot run here raises at once.
@@ -304,7 +317,12 @@ class Target:
         ("bf16-kernel", "cpu"): a bf16 model on an x86-64 CPU with AVX2, without sliding windows
         or soft-capping. None (the default): on wherever it can be and both backends are "auto"
         (it costs a single-token step nothing, see docs/architecture.md); True: required, and a
-        model or backend that cannot have it is refused with the reason; False: off."""
+        model or backend that cannot have it is refused with the reason; False: off.
+
+        ``fused``: run the decoder stack as one C call per step (:mod:`treespec.fused`), which
+        takes batch invariance. None (the default): wherever it serves the model, else the
+        modules, saying why once; True: required (refused with the reason); False: off.
+        :attr:`path` names what runs."""
         _check_causal_lm(model)
         refusal = batch_invariance_refusal(model)
         automatic = attention_backend == "auto" and linear_backend == "auto"
@@ -319,6 +337,8 @@ class Target:
                     f"attention_backend={attention_backend!r}, linear_backend={linear_backend!r}"
                 )
             attention_backend, linear_backend = "cpu", "bf16-kernel"
+        if fused and not batch_invariant:
+            raise ValueError("fused=True runs treespec's batch-invariant CPU kernels; batch_invariant is off")
         self.batch_invariant = batch_invariant
         self.attention_backend = resolve_backend(attention_backend, model.device)
         self.linear_backend = linear.resolve_linear_backend(linear_backend, model.device, model.dtype)
@@ -335,6 +355,25 @@ class Target:
         self._no_mask = torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=model.device)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = getattr(config, "max_position_embeddings", None)
+        self.fused: FusedDecoder | None = None
+        if fused is False:
+            refusal = "fused=False"
+        elif not batch_invariant:
+            refusal = (
+                f"batch-invariant kernels are off ({refusal or 'batch_invariant=False or a forced backend'})"
+            )
+        else:
+            refusal = fused_refusal(model)
+        if refusal is None:
+            self.fused = FusedDecoder(model)
+        elif fused:
+            raise ValueError(f"fused=True: {refusal}")
+        elif batch_invariant and fused is None and env_refusal() is None:
+            _say_once(
+                f"treespec runs {type(model).__name__} through its modules, not the fused decoder: {refusal}"
+            )
+        self.path = "fused" if self.fused is not None else "modules"
+        self.path_reason = "" if self.fused is not None else refusal
 
     @property
     def device(self) -> torch.device:
@@ -387,6 +426,12 @@ class Target:
         num_new = [end - start for start, end in zip(cu[:-1], cu[1:], strict=True)]
         step = StepMetadata.build(cache, num_new, slots, tree_mask, depth, backend=self.attention_backend)
         q_positions = step.q_positions.long()
+        if self.fused is not None:
+            rows = cpu_rows(step.cu_q, step.slots, step.prefix_lens, step.num_rows)
+            logits, hidden, layer_hidden = self.fused.forward(
+                tokens, q_positions, cache, rows, step.tree_mask, logit_rows, hidden_layers
+            )
+            return TargetOutput(logits=logits, hidden=hidden, layer_hidden=layer_hidden)
         out = self.runner(
             input_ids=tokens.to(device)[None],
             position_ids=q_positions[None],

@@ -1,0 +1,171 @@
+"""treespec's CPU kernels against the machine's limits, and where a fused step's time goes.
+
+    python scripts/bench_cpu_kernels.py [--rows 1,2,4,8,16,32,64,128] [--model smollm2-135m-instruct]
+                                        [--sizes 1,8,16,32] [--out bench_results/cpu_kernels.json]
+
+Prints, on each instruction road this CPU has (``avx2``, ``avx512bf16``):
+
+* the machine's measured read bandwidth (``torch.sum`` over 512 MB) and each road's arithmetic
+  peak (independent FMA / bf16-dot chains from registers, all threads);
+* the linear kernel on one layer stack's worth of weights (all 30 gate matrices of SmolLM2-135M,
+  53 MB) at each row count: ms, GB/s of weight read, GFLOP/s, and both as a share of the peaks;
+* the fused decoder step on the real model at each number of new tokens, on a 300-token cached
+  context, split into its phases (a build of the kernel with ``-DTREESPEC_PHASE_TIMES``, which
+  times thread 0 from barrier to barrier), with the LM head and the Python around the C call.
+
+Run it alone on the machine: two CPU-heavy processes at once make every number meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from treespec import models
+from treespec.kernels import cpu_kernels
+from treespec.target import Target
+
+PHASES = ("norm", "qkv", "rotary+cache", "attention", "widen", "o_proj", "residual", "norm", "gate/up",
+          "silu*up", "down", "residual", "final norm")  # fmt: skip
+
+
+def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_linear(rows: list[int], bandwidth: float, peak: float, repeats: int) -> list[dict]:
+    torch.manual_seed(0)
+    weight = torch.randn(30 * 1536, 576).bfloat16()
+    out = []
+    for m in rows:
+        x = torch.randn(m, 576).bfloat16()
+        seconds = median_seconds(lambda x=x: cpu_kernels.linear_unchecked(x, weight, None), repeats)
+        gbs, flops = weight.numel() * 2 / seconds, 2 * m * weight.numel() / seconds
+        out.append({"rows": m, "ms": 1e3 * seconds, "GB/s": gbs / 1e9, "GFLOP/s": flops / 1e9,
+                    "of_bandwidth": gbs / bandwidth, "of_peak": flops / peak})  # fmt: skip
+    return out
+
+
+def bench_fused(model_name: str, sizes: list[int], context: int, repeats: int) -> list[dict] | str:
+    lib, reason = cpu_kernels.load_library(("-DTREESPEC_PHASE_TIMES",), name="treespec_cpu_kernels_phases")
+    if lib is None:
+        return f"no profiling build: {reason}"
+    lib.treespec_set_isa(cpu_kernels.ISAS[cpu_kernels.isa()])
+    phases = (ctypes.c_double * 16).in_dll(lib, "treespec_phase_seconds")
+    model, _ = models.load(model_name, dtype=torch.bfloat16)
+    target = Target(model)
+    if target.path != "fused":
+        return f"the model runs through its modules: {target.path_reason}"
+    cache = target.new_cache(1, context + max(sizes) + 8)
+    prompt = torch.randint(0, target.vocab_size, (context,))
+    target.forward(prompt, cache, [0, context], [0], return_hidden=False)
+    cache.commit([0], [list(range(context))])
+    loaded = cpu_kernels._load
+    timings: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        def run(*args):
+            start = time.perf_counter()
+            result = fn(*args)
+            timings.setdefault(name, []).append(time.perf_counter() - start)
+            return result
+
+        return run
+
+    out = []
+    original_decoder, original_linear = cpu_kernels.decoder_bf16, cpu_kernels.linear_unchecked
+    try:
+        cpu_kernels._load = lambda: (lib, "")  # the profiling build serves every kernel call
+        cpu_kernels.decoder_bf16 = timed("decoder", original_decoder)
+        cpu_kernels.linear_unchecked = timed("lm_head", original_linear)
+        for n in sizes:
+            tokens = torch.randint(0, target.vocab_size, (n,))
+            step = lambda tokens=tokens, n=n: target.forward(tokens, cache, [0, n], [0], return_hidden=False)  # noqa: E731
+            for _ in range(2):
+                step()
+            timings.clear()
+            for i in range(16):
+                phases[i] = 0.0
+            total = median_seconds(step, repeats, warmup=0)
+            per_phase = {}
+            for i, name in enumerate(PHASES):
+                per_phase[f"{i:02d} {name}"] = 1e3 * phases[i] / repeats
+            decoder, head = statistics.median(timings["decoder"]), statistics.median(timings["lm_head"])
+            out.append({"new_tokens": n, "step_ms": 1e3 * total, "decoder_ms": 1e3 * decoder,
+                        "lm_head_ms": 1e3 * head, "python_ms": 1e3 * (total - decoder - head),
+                        "phases_ms": per_phase})  # fmt: skip
+    finally:
+        cpu_kernels._load = loaded
+        cpu_kernels.decoder_bf16, cpu_kernels.linear_unchecked = original_decoder, original_linear
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--sizes", default="1,8,16,32", help="new tokens of the fused step ('' to skip)")
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=Path("bench_results/cpu_kernels.json"))
+    args = parser.parse_args()
+    if not cpu_kernels.available():
+        raise SystemExit(f"treespec's CPU kernels are unavailable here: {cpu_kernels.unavailable_reason()}")
+    rows = [int(r) for r in args.rows.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    bandwidth = cpu_kernels.read_bandwidth()
+    report = {"threads": torch.get_num_threads(), "read_GB/s": bandwidth / 1e9, "roads": {}}
+    print(f"threads {torch.get_num_threads()}, measured read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    chosen = cpu_kernels.isa()
+    try:
+        for road in [r for r, needs in cpu_kernels.ISA_FLAGS.items() if needs <= cpu_kernels._cpu_flags()]:
+            cpu_kernels.set_isa(road)
+            peak = cpu_kernels.peak_flops(road)
+            print(f"\n{road}: arithmetic peak {peak / 1e9:.0f} GFLOP/s")
+            print(f"{'rows':>5} {'ms':>7} {'GB/s':>6} {'GFLOP/s':>8} {'of BW':>6} {'of peak':>7}")
+            linear = bench_linear(rows, bandwidth, peak, args.repeats)
+            for r in linear:
+                print(f"{r['rows']:>5} {r['ms']:>7.2f} {r['GB/s']:>6.1f} {r['GFLOP/s']:>8.1f} "
+                      f"{r['of_bandwidth']:>6.0%} {r['of_peak']:>7.0%}")  # fmt: skip
+            report["roads"][road] = {"peak_GFLOP/s": peak / 1e9, "linear": linear}
+    finally:
+        cpu_kernels.set_isa(chosen)
+    if sizes:
+        fused = bench_fused(args.model, sizes, args.context, args.repeats)
+        report["fused_step"] = fused
+        print(
+            f"\nfused step of {args.model} on the {chosen} road, {args.context} cached tokens (ms per step):"
+        )
+        if isinstance(fused, str):
+            print(fused)
+        else:
+            weights_ms = 1e3 * 269.1e6 / bandwidth
+            print(f"(reading the weights once at the measured bandwidth: {weights_ms:.1f} ms)")
+            names = list(fused[0]["phases_ms"])
+            print(f"{'phase':<16}" + "".join(f"{r['new_tokens']:>8}" for r in fused))
+            for name in names:
+                print(f"{name:<16}" + "".join(f"{r['phases_ms'][name]:>8.2f}" for r in fused))
+            for key in ("decoder_ms", "lm_head_ms", "python_ms", "step_ms"):
+                print(f"{key:<16}" + "".join(f"{r[key]:>8.2f}" for r in fused))
+            base = fused[0]["step_ms"]
+            print(f"{'vs one token':<16}" + "".join(f"{r['step_ms'] / base:>8.2f}" for r in fused))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

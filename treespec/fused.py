@@ -1,0 +1,209 @@
+"""The fused decoder: a Llama-style model's whole layer stack in one C call per step.
+
+Through the model's own modules a single-token step of a 30-layer model is ~4,900 PyTorch
+operators, and on a CPU their dispatch and Python cost as much as reading the weights
+(docs/benchmark.md). ``treespec_decoder_bf16`` (:mod:`treespec.kernels.cpu_kernels`) runs every
+layer (RMSNorm, q/k/v, rotary, tree attention, o-proj, residual, RMSNorm, gate/up, SiLU x up,
+down, residual) and the final norm in one OpenMP region, over the same weight tensors as the
+model (nothing is copied). What stays in Python per step is the embedding lookup, the rotary
+tables of the step's positions (the model's own rotary module, so every RoPE scaling it knows is
+served), the LM head (treespec's linear kernel) and the step's metadata.
+
+It rounds to bf16 wherever the Hugging Face model does, and every row is computed by one fixed
+sequence whatever the rows beside it, so it is batch-invariant as the per-module path is, and
+differs from that path only by RMSNorm's summation order and the exponential's last bit; tests
+hold the two to each other and speculation to plain decoding on this path.
+
+It serves bf16 models of the families whose layers it reproduces exactly (Llama, Qwen2,
+Mistral without a sliding window: SiLU-gated MLP without biases, optional q/k/v biases, full
+rotary) on a CPU where treespec's kernels build. Anything else runs through the modules, and
+:func:`fused_refusal` says why; ``TREESPEC_FUSED=0`` turns the fused path off everywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+from torch import nn
+
+from treespec.kernels import cpu_kernels
+
+# Model classes whose decoder layer is exactly the sequence the C stack computes. Subclasses are
+# not taken: they may change the layer's forward.
+FAMILIES = {
+    "LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaRMSNorm"),
+    "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2RMSNorm"),
+    "MistralForCausalLM": ("MistralDecoderLayer", "MistralRMSNorm"),
+}
+_SLOTS = ("input_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down", "q_bias", "k_bias", "v_bias")
+
+
+def env_refusal() -> str | None:
+    """Why the environment turns the fused path off (``TREESPEC_FUSED=0``), or None."""
+    value = os.environ.get("TREESPEC_FUSED", "").strip().lower()
+    if value in ("", "1", "true", "on", "auto"):
+        return None
+    if value in ("0", "false", "off"):
+        return "turned off by TREESPEC_FUSED=0"
+    raise ValueError(f"TREESPEC_FUSED must be 0 or 1, got {value!r}")
+
+
+def fused_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` cannot run through the fused decoder here, or None when it can."""
+    if (reason := env_refusal()) is not None:
+        return reason
+    name = type(model).__name__
+    if name not in FAMILIES:
+        return f"the fused decoder serves {', '.join(FAMILIES)}; this is {name}"
+    if model.device.type != "cpu" or model.dtype != torch.bfloat16:
+        return f"the fused decoder is for bf16 models on a CPU; this one is {model.dtype} on {model.device}"
+    if not cpu_kernels.available():
+        return f"the fused decoder needs treespec's CPU kernels: {cpu_kernels.unavailable_reason()}"
+    config = model.config
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return f"{name} uses a sliding window, which the fused decoder does not have"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"the fused decoder's MLP is SiLU-gated; this model's activation is {config.hidden_act!r}"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1 splits the linear layers in a way the fused decoder does not"
+    layer_class, norm_class = FAMILIES[name]
+    base = model.model
+    for index, layer in enumerate(base.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+        ]
+        if type(layer).__name__ != layer_class or not all(type(m) is nn.Linear for m in linears):
+            return f"layer {index} is not a plain {layer_class} of nn.Linear layers"
+        if any(
+            type(n).__name__ != norm_class for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ):
+            return f"layer {index}'s norms are not {norm_class}"
+        if any(m.bias is not None for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return f"layer {index} has o-proj or MLP biases, which the fused decoder does not add"
+        if any(hasattr(attn, norm) for norm in ("q_norm", "k_norm")):
+            return f"layer {index} normalises q and k, which the fused decoder does not"
+        tensors = [
+            p
+            for m in (*linears, layer.input_layernorm, layer.post_attention_layernorm)
+            for p in m.parameters()
+        ]
+        if not all(p.dtype is torch.bfloat16 and p.is_contiguous() for p in tensors):
+            return f"layer {index} has parameters that are not contiguous bf16"
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear or head.bias is not None or not head.weight.is_contiguous():
+        return "the LM head is not a bias-free nn.Linear with a contiguous weight"
+    return None
+
+
+class FusedDecoder:
+    """The decoder stack of one model as one C call. Holds pointers into the model's weights:
+    in-place updates show through; a replaced parameter is seen at the next forward (the
+    pointer table is rebuilt)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        if (reason := fused_refusal(model)) is not None:
+            raise ValueError(f"the fused decoder cannot serve this model: {reason}")
+        self.model = model
+        config = model.config
+        self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.intermediate_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.eps = float(config.rms_norm_eps)
+        self.sm_scale = float(model.model.layers[0].self_attn.scaling)
+        self._build_table()
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor the C stack reads, in table order, then the final norm and the LM head."""
+        out: list[torch.Tensor | None] = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                    attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_proj.weight,
+                    mlp.up_proj.weight, mlp.down_proj.weight, attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]  # fmt: skip
+        return [*out, self.model.model.norm.weight, self.model.get_output_embeddings().weight]
+
+    def _build_table(self) -> None:
+        tensors = self._tensors()
+        self._sources = tensors
+        kept: list[torch.Tensor] = []
+        pointers = []
+        for index, tensor in enumerate(tensors[:-2]):
+            if tensor is None:
+                pointers.append(None)
+                continue
+            if index % len(_SLOTS) >= _SLOTS.index("q_bias"):
+                tensor = tensor.detach().float()  # biases go in as fp32: exact widenings
+                kept.append(tensor)
+            pointers.append(tensor.data_ptr())
+        self._kept = kept
+        self._table = (ctypes.c_void_p * len(pointers))(*pointers)
+        self._final_norm, self._lm_head = tensors[-2], tensors[-1]
+
+    def _current(self) -> None:
+        """Rebuild the pointer table if a parameter was replaced (the same tensors: nothing to do)."""
+        tensors = self._tensors()
+        if any(a is not b for a, b in zip(tensors, self._sources, strict=True)):
+            self._build_table()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: object,
+        rows: tuple[torch.Tensor, ...],
+        tree_mask: torch.Tensor | None,
+        logit_rows: torch.Tensor | None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """One step: ``tokens`` [T] and their sequence ``positions`` [T]; ``rows`` what
+        :func:`treespec.kernels.tree_attention.cpu_rows` gives for the step (cache row,
+        committed length, index among its request's new tokens, that request's count; the K/V of
+        row t go to position committed + index); ``tree_mask`` [T, W] int32 or None (chains).
+        Returns (logits [R, V] fp32 of ``logit_rows`` (None: all), final normed hidden [T, H]
+        bf16, {layer: [T, H]} for ``hidden_layers``: 0 the embeddings, i the residual stream
+        after layer i, num_layers the final normed rows, as HF's ``hidden_states`` number them)."""
+        self._current()
+        model, num_rows = self.model.model, len(tokens)
+        hidden = model.embed_tokens.weight[tokens]  # a new [T, H] tensor: the C stack works in it
+        cos, sin = model.rotary_emb(hidden[None], positions[None])
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        if cos.dtype is not torch.bfloat16 or cos.shape != (num_rows, self.head_dim):
+            raise ValueError(
+                f"expected bf16 rotary tables [{num_rows}, {self.head_dim}], got {cos.dtype} {tuple(cos.shape)}"
+            )
+        layer_hidden: dict[int, torch.Tensor] = {}
+        outs = (ctypes.c_void_p * self.num_layers)()
+        for layer in hidden_layers:
+            if not 0 <= layer <= self.num_layers:
+                raise ValueError(f"hidden layers must lie in [0, {self.num_layers}], got {layer}")
+            if layer == 0:
+                layer_hidden[0] = hidden.clone()
+            elif layer < self.num_layers:
+                layer_hidden[layer] = torch.empty_like(hidden)
+                outs[layer - 1] = layer_hidden[layer].data_ptr()
+        mask = None if tree_mask is None else tree_mask.to(torch.int32).contiguous()
+        row_slot, row_prefix, row_index, row_new = (r.contiguous() for r in rows)
+        keys, values = cache.keys, cache.values
+        cpu_kernels.decoder_bf16(
+            hidden, self._table, self._final_norm, self.num_layers, num_rows, self.hidden_size,
+            self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.sm_scale,
+            cos, sin, keys, values, keys.shape[1], keys.shape[3], row_slot, row_prefix, row_index, row_new,
+            mask, 0 if mask is None else mask.shape[1], outs,
+        )  # fmt: skip
+        if self.num_layers in hidden_layers:
+            layer_hidden[self.num_layers] = hidden
+        picked = hidden if logit_rows is None else hidden[logit_rows]
+        logits = cpu_kernels.linear_unchecked(picked, self._lm_head, None).float()
+        return logits, hidden, layer_hidden

@@ -296,6 +296,40 @@ void treespec_linear_bf16(const void *x_in, int x_bf16, const uint16_t *w, const
  * autoregressive step sees the same tokens. */
 #include <math.h>
 
+/* exp on eight fp32 lanes: Cody-Waite reduction x = n ln2 + r, a degree-5 polynomial for e^r
+ * (Cephes' coefficients, ~1 ulp) and 2^n from the exponent bits, inputs clamped to
+ * [-87.3, 88.3]. Every lane runs the same sequence, so a value's exponential does not depend on
+ * its neighbours or its position: the attention's weights and SiLU stay batch-invariant, at a
+ * fraction of a scalar expf's cost. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* exp8 over n <= 8 values (the tail of a run goes through the same lanes, zero-padded). */
+static inline void exp_run(const float *in, float *out, int64_t n) {
+    if (n == 8) {
+        _mm256_storeu_ps(out, exp8(_mm256_loadu_ps(in)));
+        return;
+    }
+    float a[8] = {0}, b[8];
+    memcpy(a, in, sizeof(float) * n);
+    _mm256_storeu_ps(b, exp8(_mm256_loadu_ps(a)));
+    memcpy(out, b, sizeof(float) * n);
+}
+
 static inline int key_visible(const int32_t *mask_row, int64_t j, int64_t row_index) {
     if (!mask_row) return j <= row_index;
     return (int)(((uint32_t)mask_row[j >> 5] >> (j & 31)) & 1u);
@@ -375,17 +409,32 @@ static void attend_item(int64_t t, int64_t kvh, const uint16_t *q, const uint16_
             scores[i] *= sm_scale;
             if (scores[i] > best) best = scores[i];
         }
+        for (i = 0; i < n; i++) scores[i] -= best;
+        for (i = 0; i < n; i += 8) exp_run(scores + i, scores + i, n - i < 8 ? n - i : 8);
         float total = 0.0f;
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-        for (i = 0; i < n; i++) {
-            const float e = expf(scores[i] - best);
-            total += e;
+        for (i = 0; i < n; i++) total += scores[i];
+        /* acc[d] = sum_i e_i v_i[d], one FMA per key in key order for every d. Blocks of 64
+         * columns keep their eight accumulators in registers across all keys. */
+        int64_t d = 0;
+        for (; d + 64 <= D8; d += 64) {
+            __m256 a[8];
+            for (int b = 0; b < 8; b++) a[b] = _mm256_setzero_ps();
+            for (i = 0; i < n; i++) {
+                const __m256 ev = _mm256_set1_ps(scores[i]);
+                const uint16_t *v = vbase + keys[i] * D + d;
+                for (int b = 0; b < 8; b++) a[b] = _mm256_fmadd_ps(ev, widen_bf16(v + 8 * b), a[b]);
+            }
+            for (int b = 0; b < 8; b++) _mm256_storeu_ps(acc + d + 8 * b, a[b]);
+        }
+        for (int64_t j = d; j < D; j++) acc[j] = 0.0f;
+        for (i = 0; i < n && d < D; i++) {
+            const float e = scores[i];
             const uint16_t *v = vbase + keys[i] * D;
             const __m256 ev = _mm256_set1_ps(e);
-            int64_t d = 0;
-            for (; d < D8; d += 8)
-                _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(ev, widen_bf16(v + d), _mm256_loadu_ps(acc + d)));
-            for (; d < D; d++) acc[d] = __builtin_fmaf(e, widen_one(v[d]), acc[d]);
+            int64_t j = d;
+            for (; j < D8; j += 8)
+                _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(ev, widen_bf16(v + j), _mm256_loadu_ps(acc + j)));
+            for (; j < D; j++) acc[j] = __builtin_fmaf(e, widen_one(v[j]), acc[j]);
         }
         for (int64_t d = 0; d < D; d++) out[head * D + d] = round_bf16(acc[d] / total);
     }
@@ -415,7 +464,7 @@ void treespec_tree_attention_bf16(const uint16_t *q, const uint16_t *k_cache, co
  * product, each residual sum), and each output is computed by one fixed sequence whatever T is:
  * the linear layers and the attention are the kernels above, and the row-wise parts (RMSNorm's
  * sum of squares, SiLU, the rotary) read only their own row. So the stack is batch-invariant as
- * the per-layer path is, and agrees with it up to RMSNorm's summation order and expf.
+ * the per-layer path is, and agrees with it up to RMSNorm's summation order.
  *
  * One OpenMP region for the whole stack: every thread runs every phase on its share, with a
  * barrier between phases, instead of a parallel region (and a Python call) per operator.
@@ -428,8 +477,6 @@ void treespec_tree_attention_bf16(const uint16_t *q, const uint16_t *k_cache, co
  *          row row_slot[t] and attends as treespec_tree_attention_bf16 does
  * layer_out  [layers] pointers, each [T, H] bf16 or NULL: the residual stream after layer i */
 enum { W_IN_NORM, W_Q, W_K, W_V, W_O, W_POST_NORM, W_GATE, W_UP, W_DOWN, W_Q_BIAS, W_K_BIAS, W_V_BIAS, W_COUNT };
-
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* Rows r0..r1 of h [., H] bf16: RMSNorm with weight w, into out_f (fp32 widenings of the bf16
  * result, what the next linear reads) and, when out_b, the bf16 rows themselves. */
@@ -568,10 +615,22 @@ void treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const u
             linear_share(me, threads, x, xb, T, H, 2, w_gu, no_bias, y_gu, n_gu, fq_gu);
 #pragma omp barrier
             MARK(8);
-            for (int64_t e = T * I * me / threads; e < T * I * (me + 1) / threads; e++) {
-                const uint16_t act = round_bf16(silu(widen_one(round_bf16(y_gu[0][e]))));
-                xb[e] = bf16_mul(act, round_bf16(y_gu[1][e]));
-                x[e] = widen_one(xb[e]);
+            {
+                const int64_t runs = (T * I + 7) / 8, e0 = 8 * (runs * me / threads), e1 = 8 * (runs * (me + 1) / threads);
+                for (int64_t e = e0; e < e1 && e < T * I; e += 8) {
+                    const int64_t n = T * I - e < 8 ? T * I - e : 8;
+                    float gate[8], minus[8], ex[8];
+                    for (int64_t j = 0; j < n; j++) {
+                        gate[j] = widen_one(round_bf16(y_gu[0][e + j]));
+                        minus[j] = -gate[j];
+                    }
+                    exp_run(minus, ex, n);
+                    for (int64_t j = 0; j < n; j++) {
+                        const uint16_t act = round_bf16(gate[j] / (1.0f + ex[j]));
+                        xb[e + j] = bf16_mul(act, round_bf16(y_gu[1][e + j]));
+                        x[e + j] = widen_one(xb[e + j]);
+                    }
+                }
             }
 #pragma omp barrier
             MARK(9);

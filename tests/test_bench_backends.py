@@ -11,6 +11,7 @@ from test_bench import tiny_model_folder, write_prompts
 
 from treespec import benchmark
 from treespec.cli import ATTENTION_BACKEND_CHOICES, main
+from treespec.kernels import cpu_kernels
 from treespec.kernels import tree_attention as ta
 
 
@@ -62,3 +63,26 @@ def test_a_backend_that_cannot_run_here_is_one_line(tmp_path, capsys, monkeypatc
     assert main(["bench", "--model", str(tmp_path / "nothing"), "--attention-backend", "triton"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("treespec: error: --attention-backend triton: backend='triton' cannot run here")
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
+@pytest.mark.parametrize("fused_env", ["1", "0"])
+def test_the_report_names_the_decoder_path_it_ran(tmp_path, monkeypatch, capsys, fused_env):
+    """A bf16 Llama runs the fused decoder on this CPU's best road; TREESPEC_FUSED=0 forces the
+    modules, and the report says so with the reason."""
+    monkeypatch.setenv("TREESPEC_FUSED", fused_env)
+    tiny_model_folder(tmp_path)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"category": "copy", "turns": ["w1 w2 w3 w1 w2 w3"]}])
+    out = tmp_path / "out.json"
+    argv = ["bench", "--model", str(tmp_path / "model"), "--prompts", prompts, "--max-new-tokens", "4",
+            "--dtype", "bf16", "--warmup", "0", "--proposer", "ngram", "--baselines", "hf",
+            "--json", str(out), "--no-plot"]  # fmt: skip
+    assert main(argv) == 0
+    target = json.loads(out.read_text())["target"]
+    printed = capsys.readouterr().out
+    if fused_env == "1":
+        assert target["path"] == "fused" and target["cpu_isa"] == cpu_kernels.best_isa()
+        assert f"decoder fused ({cpu_kernels.best_isa()})" in printed
+    else:
+        assert target["path"] == "modules" and target["path_reason"] == "turned off by TREESPEC_FUSED=0"
+        assert "decoder modules (turned off by TREESPEC_FUSED=0)" in printed

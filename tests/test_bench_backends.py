@@ -68,8 +68,8 @@ def test_a_backend_that_cannot_run_here_is_one_line(tmp_path, capsys, monkeypatc
 @pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
 @pytest.mark.parametrize("fused_env", ["1", "0"])
 def test_the_report_names_the_decoder_path_it_ran(tmp_path, monkeypatch, capsys, fused_env):
-    """A bf16 Llama runs the fused decoder on this CPU's best road; TREESPEC_FUSED=0 forces the
-    modules, and the report says so with the reason."""
+    """A bf16 Llama runs the fused decoder on the road chosen (the best, or the one TREESPEC_CPU_ISA
+    caps it to); TREESPEC_FUSED=0 forces the modules, and the report says so with the reason."""
     monkeypatch.setenv("TREESPEC_FUSED", fused_env)
     tiny_model_folder(tmp_path)
     prompts = write_prompts(tmp_path / "p.jsonl", [{"category": "copy", "turns": ["w1 w2 w3 w1 w2 w3"]}])
@@ -81,8 +81,8 @@ def test_the_report_names_the_decoder_path_it_ran(tmp_path, monkeypatch, capsys,
     target = json.loads(out.read_text())["target"]
     printed = capsys.readouterr().out
     if fused_env == "1":
-        assert target["path"] == "fused" and target["cpu_isa"] == cpu_kernels.best_isa()
-        assert f"decoder fused ({cpu_kernels.best_isa()})" in printed
+        assert target["path"] == "fused" and target["cpu_isa"] == cpu_kernels.isa()
+        assert f"decoder fused ({cpu_kernels.isa()})" in printed
     else:
         assert target["path"] == "modules" and target["path_reason"] == "turned off by TREESPEC_FUSED=0"
         assert "decoder modules (turned off by TREESPEC_FUSED=0)" in printed

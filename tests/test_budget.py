@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from conftest import build, oracle_table
 from test_eagle import random_head
@@ -161,3 +163,96 @@ def test_a_budget_that_cannot_lose_follows_the_measured_steps():
     assert sum(n > 0 for n in dear) <= 10  # trees lose: only probes draft
     assert proposer.throughput.trees_lose() or not proposer.throughput.tree
     assert proposer.chooser.forward_cost(9) > 10.0  # the curve learnt what a 9-token step costs now
+
+
+def test_trees_that_lose_from_the_first_step_are_caught_within_a_few_steps():
+    """A fresh proposer (one per prompt, as the benchmark builds them) whose model of the step
+    says trees pay from the start (every node reported accepted, a flat cost) while the steps
+    actually run say they lose (a tree step takes twice a plain one and commits one token): the
+    guard needs two measured baseline steps, so they come every probe_every // 2 tree steps
+    until it has them (not after 4 * probe_every), and drafting stops right after."""
+    now = [0.0]
+    proposer = AdaptiveProposer(ChainOfBudget(), BudgetChooser(CostModel([1, 8, 64], [1.0, 1.0, 1.0])),
+                                probe_every=8, clock=lambda: now[0])  # fmt: skip
+    request = ProposalRequest(0, [7], 1, SamplingParams(), 1000)
+    for _ in range(40):
+        tree = proposer.propose([request])
+        now[0] += 2.0 if tree.num_nodes > 1 else 1.0
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        claimed = RequestResult(0, tokens, parents, list(range(len(tokens))), [0])  # one token committed
+        proposer.observe(StepResult([claimed]))
+    assert min(proposer.chosen[:4]) > 0  # the model's choice: trees
+    baseline = [i for i, n in enumerate(proposer.chosen[:10]) if n == 0]
+    assert baseline == [4, 9]  # after 4 tree steps, twice
+    assert sum(n > 0 for n in proposer.chosen[10:]) <= 3  # then only probes draft
+
+
+class TimedChain(ChainOfBudget):
+    """A chain whose drafting advances a fake clock by ``base + per_node * nodes`` seconds."""
+
+    def __init__(self, now):
+        super().__init__()
+        self.now, self.base, self.per_node = now, 0.5, 0.1
+
+    def propose(self, requests):
+        self.now[0] += self.base + self.per_node * self.nodes
+        return super().propose(requests)
+
+
+class ScriptedChooser(BudgetChooser):
+    """Picks the sizes it is given, in turn, whatever the costs say."""
+
+    def __init__(self, sizes):
+        super().__init__(CostModel([1, 8, 64], [1.0, 1.0, 1.0]))
+        self.sizes = itertools.cycle(sizes)
+
+    def choose(self, rates, batch_size, cap=None, min_nodes=0):
+        return next(self.sizes), 1, 1.0
+
+
+def test_the_drafting_cost_is_the_line_through_the_recent_proposals_and_follows_new_ones():
+    """The chooser asks the drafting cost of every candidate size each step; the answer is the
+    least-squares line through the recent proposals, refitted as soon as one is added."""
+    now = [0.0]
+    chain = TimedChain(now)
+    proposer = AdaptiveProposer(chain, ScriptedChooser([2, 4, 6, 8]), clock=lambda: now[0])
+    cost = proposer.chooser.propose_cost
+    assert cost(5) == 0.0  # nothing measured yet: drafting looks free
+    request = ProposalRequest(0, [7], 1, SamplingParams(), 1000)
+
+    def steps(count):
+        for _ in range(count):
+            tree = proposer.propose([request])
+            tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+            everything = RequestResult(0, tokens, parents, list(range(len(tokens))), tokens[1:] + [0])
+            proposer.observe(StepResult([everything]))  # trees pay: they stay chosen
+            now[0] += 1.0
+
+    steps(3)
+    assert cost(20) == pytest.approx(0.5 + 0.1 * 20)
+    chain.base, chain.per_node = 1.0, 0.3  # drafting became dearer
+    steps(1)
+    assert cost(20) > 0.5 + 0.1 * 20 + 0.1  # one new proposal already moves the line
+    steps(100)  # the old proposals leave the window of 64
+    assert cost(20) == pytest.approx(1.0 + 0.3 * 20)
+
+
+def test_greedy_steps_without_a_tree_skip_the_tree_sampler(monkeypatch):
+    """A step whose trees are roots only picks each bonus token as plain decoding does (the
+    argmax), without the tree sampler: the output is the same, and the sampler runs only in
+    the steps that drafted."""
+    import treespec.engine
+
+    calls = []
+    real_verify = treespec.engine.verify
+    monkeypatch.setattr(treespec.engine, "verify", lambda *a, **k: calls.append(1) or real_verify(*a, **k))
+    model = build("llama")
+    want = treespec.generate(model, [[5, 6, 7]], max_new_tokens=30).sequences
+    eagle = EagleProposer(random_head(model), model, top_k=2, depth=3, total_tokens=6)
+    steep = BudgetChooser(CostModel([1, 8, 64], [1.0, 8.0, 64.0]))  # no tree pays but for probes
+    ticks = iter(range(10**6))
+    proposer = AdaptiveProposer(eagle, steep, probe_every=4, clock=lambda: float(next(ticks)))
+    assert treespec.generate(model, [[5, 6, 7]], max_new_tokens=30, proposer=proposer).sequences == want
+    drafted = sum(n > 0 for n in proposer.chosen)
+    assert 0 < drafted < len(proposer.chosen)
+    assert len(calls) == drafted

@@ -267,8 +267,9 @@ class AdaptiveProposer(Proposer):
         The steps actually run keep the budget honest: the time from one ``propose`` to the
         next is a whole step, and with the tokens it committed (``observe``) it updates the
         chooser's cost curve at that step's size and a :class:`StepThroughput`. While trees are
-        chosen, every ``4 * probe_every``-th step runs without one to measure the baseline;
-        when trees measure slower than no tree, none is drafted but for probes. ``clock``
+        chosen, every ``4 * probe_every``-th step runs without one to measure the baseline
+        (every ``probe_every // 2``-th until two are measured); when trees measure slower than
+        no tree, none is drafted but for probes. ``clock``
         (seconds) is a parameter so that tests can drive it."""
         if not isinstance(proposer, Proposer) or not proposer.has_budget:
             raise TypeError(
@@ -294,22 +295,34 @@ class AdaptiveProposer(Proposer):
         self._propose_times: deque[tuple[int, float]] = deque(
             maxlen=64
         )  # (nodes, seconds) of recent proposals
+        self._fit: tuple[float, float] | None = None  # _propose_times' line, until it changes
         self._open_step: tuple[float, int, int] | None = None  # (start, nodes, batch) of the step under way
         self._step_tokens = 0  # tokens committed by the step under way
         if chooser.propose_cost is None:
             chooser.propose_cost = self._propose_cost
 
     def _propose_cost(self, nodes: int) -> float:
-        """Least-squares line through the recent (nodes, seconds) of this proposer's drafting."""
-        points = list(self._propose_times)
+        """Least-squares line through the recent (nodes, seconds) of this proposer's drafting.
+
+        The chooser asks for every candidate size each step, so the line is fitted once per
+        new proposal (``_fit``), not once per question."""
+        if self._fit is None:
+            self._fit = self._fit_line(list(self._propose_times))
+        intercept, slope = self._fit
+        return max(0.0, intercept + slope * nodes)
+
+    @staticmethod
+    def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+        """(intercept, slope) of seconds against nodes; a flat line at the mean when fewer than
+        two sizes were seen, zero when none."""
         if len({n for n, _ in points}) < 2:
-            return statistics.fmean(t for _, t in points) if points else 0.0
+            return (statistics.fmean(t for _, t in points) if points else 0.0), 0.0
         mean_n = statistics.fmean(n for n, _ in points)
         mean_t = statistics.fmean(t for _, t in points)
         slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / sum(
             (n - mean_n) ** 2 for n, _ in points
         )
-        return max(0.0, mean_t + slope * (nodes - mean_n))
+        return mean_t - slope * mean_n, slope
 
     def _close_step(self, now: float) -> None:
         """The step that began at the last ``propose`` ended now: learn its cost and rate."""
@@ -329,7 +342,7 @@ class AdaptiveProposer(Proposer):
         nodes, depth, _ = self.chooser.choose(rates, batch, cap=cap)
         if nodes and self.throughput.trees_lose():
             nodes = depth = 0  # measured: trees lose on this machine now
-        if nodes and self._since_plain >= 4 * self.probe_every:
+        if nodes and self._since_plain >= self._baseline_every():
             nodes = depth = 0  # a baseline step keeps the no-tree rate current
         if nodes:
             self._idle, self._wait = 0, self.probe_every
@@ -342,6 +355,15 @@ class AdaptiveProposer(Proposer):
             self._idle, self._wait = 0, min(2 * self._wait, 8 * self.probe_every)
         return nodes, depth
 
+    def _baseline_every(self) -> int:
+        """Tree steps between baseline steps: ``4 * probe_every`` once the guard has its two
+        baseline steps, and every ``probe_every // 2`` before, so that a run whose trees lose
+        from the start (a fresh proposer per prompt, a prior that favours trees) is caught
+        within a few steps instead of after ``4 * probe_every``."""
+        if len(self.throughput.plain) < 2:
+            return max(1, self.probe_every // 2)
+        return 4 * self.probe_every
+
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
         now = self.clock()
         self._close_step(now)
@@ -353,6 +375,7 @@ class AdaptiveProposer(Proposer):
         self.proposer.set_budget(nodes, max(depth, 1))
         tree = self.proposer.propose(requests)
         self._propose_times.append((nodes, self.clock() - now))
+        self._fit = None
         return tree
 
     def observe(self, result: StepResult) -> None:

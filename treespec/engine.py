@@ -443,8 +443,9 @@ class Engine:
         :meth:`VerifyOutput.readback_table`), None without decoding requests."""
         if trees is None:
             return None
-        if self.proposer is None:  # plain decoding: sample the next token the way HF does
-            tokens = self._first_tokens(decoding, logits)
+        roots_only = trees.num_nodes == len(decoding) and all(r.sampling.greedy for r in decoding)
+        if self.proposer is None or roots_only:  # plain decoding: the next token the way HF picks it
+            tokens = self._first_tokens(decoding, logits)  # (greedy roots only: what the tree sampler picks)
             return torch.stack([torch.zeros_like(tokens), tokens], 1)
         table = None
         for params, members in _group_by_sampling(decoding).items():

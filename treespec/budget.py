@@ -335,13 +335,18 @@ class AdaptiveProposer(Proposer):
         self.chooser.forward_cost.update(batch * (nodes + 1), seconds - drafting)
         self._open_step, self._step_tokens = None, 0
 
-    def _choose(self, rates: list[list[float]], batch: int) -> tuple[int, int]:
+    def _choose(self, batch: int) -> tuple[int, int]:
         """Nodes per request and depth for this step: the chooser's pick, overruled by the
-        measured throughput, the baseline steps and the probes."""
+        measured throughput, the baseline steps and the probes. While trees measure slower and
+        no probe is due, the chooser is not asked: its answer would be overruled."""
         cap = self.max_tree_nodes - 1
-        nodes, depth, _ = self.chooser.choose(rates, batch, cap=cap)
-        if nodes and self.throughput.trees_lose():
-            nodes = depth = 0  # measured: trees lose on this machine now
+        lose = self.throughput.trees_lose()  # measured: trees lose on this machine now
+        if lose and self._idle + 1 < self._wait:
+            nodes = depth = 0
+        else:
+            nodes, depth, _ = self.chooser.choose(self.stats.rates(), batch, cap=cap)
+            if nodes and lose:
+                nodes = depth = 0
         if nodes and self._since_plain >= self._baseline_every():
             nodes = depth = 0  # a baseline step keeps the no-tree rate current
         if nodes:
@@ -351,7 +356,7 @@ class AdaptiveProposer(Proposer):
             self._idle += 1
             self._since_plain = 0
         if self._idle >= self._wait:  # a probe: the best tree that drafts something
-            nodes, depth, _ = self.chooser.choose(rates, batch, cap=cap, min_nodes=1)
+            nodes, depth, _ = self.chooser.choose(self.stats.rates(), batch, cap=cap, min_nodes=1)
             self._idle, self._wait = 0, min(2 * self._wait, 8 * self.probe_every)
         return nodes, depth
 
@@ -367,7 +372,7 @@ class AdaptiveProposer(Proposer):
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
         now = self.clock()
         self._close_step(now)
-        nodes, depth = self._choose(self.stats.rates(), len(requests))
+        nodes, depth = self._choose(len(requests))
         self.chosen.append(nodes)
         self._open_step = (now, nodes, len(requests))
         if nodes == 0:

@@ -107,7 +107,7 @@ def fused_refusal(model: nn.Module) -> str | None:
 class FusedDecoder:
     """The decoder stack of one model as one C call. Holds pointers into the model's weights:
     in-place updates show through; a replaced parameter is seen at the next forward (the
-    pointer table is rebuilt)."""
+    pointer table is rebuilt); a replaced module is not (build a new Target)."""
 
     def __init__(self, model: nn.Module) -> None:
         if (reason := fused_refusal(model)) is not None:
@@ -122,17 +122,25 @@ class FusedDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.eps = float(config.rms_norm_eps)
         self.sm_scale = float(model.model.layers[0].self_attn.scaling)
+        self._owner_list = self._owners()
         self._build_table()
 
-    def _tensors(self) -> list[torch.Tensor | None]:
-        """Every tensor the C stack reads, in table order, then the final norm and the LM head."""
-        out: list[torch.Tensor | None] = []
+    def _owners(self) -> list[tuple[nn.Module, str]]:
+        """Where every tensor the C stack reads lives, in table order (module, parameter name),
+        then the final norm and the LM head."""
+        out: list[tuple[nn.Module, str]] = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            out += [layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-                    attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_proj.weight,
-                    mlp.up_proj.weight, mlp.down_proj.weight, attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]  # fmt: skip
-        return [*out, self.model.model.norm.weight, self.model.get_output_embeddings().weight]
+            out += [(layer.input_layernorm, "weight"), (attn.q_proj, "weight"), (attn.k_proj, "weight"),
+                    (attn.v_proj, "weight"), (attn.o_proj, "weight"), (layer.post_attention_layernorm, "weight"),
+                    (mlp.gate_proj, "weight"), (mlp.up_proj, "weight"), (mlp.down_proj, "weight"),
+                    (attn.q_proj, "bias"), (attn.k_proj, "bias"), (attn.v_proj, "bias")]  # fmt: skip
+        return [*out, (self.model.model.norm, "weight"), (self.model.get_output_embeddings(), "weight")]
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor the C stack reads, in table order: read from the modules' parameter dicts
+        (one dict lookup each, not a chain of ``nn.Module.__getattr__``: it runs every step)."""
+        return [module._parameters.get(name) for module, name in self._owner_list]
 
     def _build_table(self) -> None:
         tensors = self._tensors()

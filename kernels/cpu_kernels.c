@@ -335,24 +335,6 @@ static inline int key_visible(const int32_t *mask_row, int64_t j, int64_t row_in
     return (int)(((uint32_t)mask_row[j >> 5] >> (j & 31)) & 1u);
 }
 
-/* The dot products of one query (fp32) with four keys (bf16), each in the fixed order. */
-static inline void dot4(const float *q, const uint16_t *k0, const uint16_t *k1, const uint16_t *k2,
-                        const uint16_t *k3, int64_t D, float *s) {
-    const int64_t D8 = D & ~(int64_t)7;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D8; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qv, widen_bf16(k0 + d), a0);
-        a1 = _mm256_fmadd_ps(qv, widen_bf16(k1 + d), a1);
-        a2 = _mm256_fmadd_ps(qv, widen_bf16(k2 + d), a2);
-        a3 = _mm256_fmadd_ps(qv, widen_bf16(k3 + d), a3);
-    }
-    s[0] = add_tail(q, k0, D8, D, lanes_sum(a0));
-    s[1] = add_tail(q, k1, D8, D, lanes_sum(a1));
-    s[2] = add_tail(q, k2, D8, D, lanes_sum(a2));
-    s[3] = add_tail(q, k3, D8, D, lanes_sum(a3));
-}
-
 static inline float dot1(const float *q, const uint16_t *k, int64_t D) {
     const int64_t D8 = D & ~(int64_t)7;
     __m256 a = _mm256_setzero_ps();
@@ -360,16 +342,17 @@ static inline float dot1(const float *q, const uint16_t *k, int64_t D) {
     return add_tail(q, k, D8, D, lanes_sum(a));
 }
 
-/* Per-thread scratch of the attention: scores and key positions for up to L + 4 keys, one query
- * and one accumulator row. */
+/* Per-thread scratch of the attention: for up to HEADS_TOGETHER query heads, scores for up to
+ * L + 4 keys, one query and one accumulator row each; the visible keys' positions. */
+enum { HEADS_TOGETHER = 4 };
 typedef struct {
     float *scores, *qf, *acc;
     int64_t *keys;
 } attention_scratch;
 
 static attention_scratch scratch_new(int64_t L, int64_t D) {
-    attention_scratch s = {malloc(sizeof(float) * (L + 4)), malloc(sizeof(float) * D), malloc(sizeof(float) * D),
-                           malloc(sizeof(int64_t) * (L + 4))};
+    attention_scratch s = {malloc(sizeof(float) * HEADS_TOGETHER * (L + 4)), malloc(sizeof(float) * HEADS_TOGETHER * D),
+                           malloc(sizeof(float) * HEADS_TOGETHER * D), malloc(sizeof(int64_t) * (L + 4))};
     if (!s.scores || !s.qf || !s.acc || !s.keys) abort();
     return s;
 }
@@ -381,62 +364,127 @@ static void scratch_free(attention_scratch s) {
     free(s.keys);
 }
 
+/* The scores of G query heads (qf [G, D] fp32) against keys k0 and k1, into scores[h * stride +
+ * i] and [.. + i + 1]: each key is widened once for all G heads, and each score is dot1's fixed
+ * sequence (eight lanes in increasing d, the lanes in one order, the tail last). */
+static inline __attribute__((always_inline)) void head_dots2(const float *qf, const int G, const uint16_t *k0,
+                                                             const uint16_t *k1, int64_t D, float *scores,
+                                                             int64_t stride, int64_t i) {
+    const int64_t D8 = D & ~(int64_t)7;
+    __m256 a0[HEADS_TOGETHER], a1[HEADS_TOGETHER];
+    for (int h = 0; h < G; h++) a0[h] = a1[h] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D8; d += 8) {
+        const __m256 kv0 = widen_bf16(k0 + d), kv1 = widen_bf16(k1 + d);
+        for (int h = 0; h < G; h++) {
+            const __m256 qv = _mm256_loadu_ps(qf + h * D + d);
+            a0[h] = _mm256_fmadd_ps(qv, kv0, a0[h]);
+            a1[h] = _mm256_fmadd_ps(qv, kv1, a1[h]);
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        scores[h * stride + i] = add_tail(qf + h * D, k0, D8, D, lanes_sum(a0[h]));
+        scores[h * stride + i + 1] = add_tail(qf + h * D, k1, D8, D, lanes_sum(a1[h]));
+    }
+}
+
+/* acc[h, d] = sum_i e[h, i] v_i[d] for G heads, one FMA per key in key order for every (h, d):
+ * each value row is widened once for all G heads; 16 columns at a time keep 2 G accumulators in
+ * registers across all keys. */
+static inline __attribute__((always_inline)) void head_values(const float *e, int64_t stride, const int G,
+                                                              const uint16_t *vbase, const int64_t *keys, int64_t n,
+                                                              int64_t D, float *acc) {
+    const int64_t D8 = D & ~(int64_t)7;
+    int64_t d = 0;
+    for (; d + 16 <= D8; d += 16) {
+        __m256 a0[HEADS_TOGETHER], a1[HEADS_TOGETHER];
+        for (int h = 0; h < G; h++) a0[h] = a1[h] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t *v = vbase + keys[i] * D + d;
+            const __m256 v0 = widen_bf16(v), v1 = widen_bf16(v + 8);
+            for (int h = 0; h < G; h++) {
+                const __m256 ev = _mm256_set1_ps(e[h * stride + i]);
+                a0[h] = _mm256_fmadd_ps(ev, v0, a0[h]);
+                a1[h] = _mm256_fmadd_ps(ev, v1, a1[h]);
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            _mm256_storeu_ps(acc + h * D + d, a0[h]);
+            _mm256_storeu_ps(acc + h * D + d + 8, a1[h]);
+        }
+    }
+    for (; d < D8; d += 8) {
+        __m256 a0[HEADS_TOGETHER];
+        for (int h = 0; h < G; h++) a0[h] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+            const __m256 v0 = widen_bf16(vbase + keys[i] * D + d);
+            for (int h = 0; h < G; h++) a0[h] = _mm256_fmadd_ps(_mm256_set1_ps(e[h * stride + i]), v0, a0[h]);
+        }
+        for (int h = 0; h < G; h++) _mm256_storeu_ps(acc + h * D + d, a0[h]);
+    }
+    for (int h = 0; h < G; h++)
+        for (int64_t j = D8; j < D; j++) acc[h * D + j] = 0.0f;
+    for (int64_t i = 0; i < n && D8 < D; i++) {
+        const uint16_t *v = vbase + keys[i] * D;
+        for (int h = 0; h < G; h++)
+            for (int64_t j = D8; j < D; j++) acc[h * D + j] = __builtin_fmaf(e[h * stride + i], widen_one(v[j]), acc[h * D + j]);
+    }
+}
+
+/* G query heads h0 .. h0 + G - 1 of row t over the n visible keys: scores, softmax, values. */
+static inline __attribute__((always_inline)) void attend_heads(int64_t t, int64_t h0, const int G, const uint16_t *q,
+                                                               const uint16_t *kbase, const uint16_t *vbase,
+                                                               uint16_t *out, const int64_t *keys, int64_t n,
+                                                               int64_t Hq, int64_t L, int64_t D, float sm_scale,
+                                                               attention_scratch s) {
+    const int64_t stride = L + 4;
+    float *scores = s.scores, *qf = s.qf, *acc = s.acc;
+    for (int h = 0; h < G; h++)
+        for (int64_t d = 0; d < D; d++) qf[h * D + d] = widen_one(q[(t * Hq + h0 + h) * D + d]);
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) head_dots2(qf, G, kbase + keys[i] * D, kbase + keys[i + 1] * D, D, scores, stride, i);
+    for (; i < n; i++)
+        for (int h = 0; h < G; h++) scores[h * stride + i] = dot1(qf + h * D, kbase + keys[i] * D, D);
+    float total[HEADS_TOGETHER];
+    for (int h = 0; h < G; h++) {
+        float *row = scores + h * stride, best = -INFINITY;
+        for (i = 0; i < n; i++) {
+            row[i] *= sm_scale;
+            if (row[i] > best) best = row[i];
+        }
+        for (i = 0; i < n; i++) row[i] -= best;
+        for (i = 0; i < n; i += 8) exp_run(row + i, row + i, n - i < 8 ? n - i : 8);
+        total[h] = 0.0f;
+        for (i = 0; i < n; i++) total[h] += row[i];
+    }
+    head_values(scores, stride, G, vbase, keys, n, D, acc);
+    for (int h = 0; h < G; h++)
+        for (int64_t d = 0; d < D; d++) out[(t * Hq + h0 + h) * D + d] = round_bf16(acc[h * D + d] / total[h]);
+}
+
 /* Row t's attention for KV head kvh and its group of query heads (q and out [T, Hq, D]; the
- * caches one layer's [S, Hkv, L, D]). */
+ * caches one layer's [S, Hkv, L, D]), HEADS_TOGETHER query heads at a time so that every key
+ * and value row is loaded and widened once for them all. Each (row, head) output is the same
+ * sequence of operations however many heads share the loads. */
 static void attend_item(int64_t t, int64_t kvh, const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                         uint16_t *out, const int64_t *row_slot, const int64_t *row_prefix, const int64_t *row_index,
                         const int64_t *row_new, const int32_t *mask, int64_t W, int64_t Hq, int64_t Hkv, int64_t L,
                         int64_t D, float sm_scale, attention_scratch s) {
-    const int64_t group = Hq / Hkv, D8 = D & ~(int64_t)7;
+    const int64_t group = Hq / Hkv;
     const uint16_t *kbase = k_cache + (row_slot[t] * Hkv + kvh) * L * D;
     const uint16_t *vbase = v_cache + (row_slot[t] * Hkv + kvh) * L * D;
     const int32_t *mask_row = mask ? mask + t * W : 0;
-    float *scores = s.scores, *qf = s.qf, *acc = s.acc;
     int64_t *keys = s.keys, n = 0;
     for (int64_t p = 0; p < row_prefix[t]; p++) keys[n++] = p;
     for (int64_t j = 0; j < row_new[t]; j++)
         if (key_visible(mask_row, j, row_index[t])) keys[n++] = row_prefix[t] + j;
-    for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
-        const int64_t head = t * Hq + h;
-        for (int64_t d = 0; d < D; d++) qf[d] = widen_one(q[head * D + d]);
-        int64_t i = 0;
-        for (; i + 4 <= n; i += 4)
-            dot4(qf, kbase + keys[i] * D, kbase + keys[i + 1] * D, kbase + keys[i + 2] * D, kbase + keys[i + 3] * D, D,
-                 scores + i);
-        for (; i < n; i++) scores[i] = dot1(qf, kbase + keys[i] * D, D);
-        float best = -INFINITY;
-        for (i = 0; i < n; i++) {
-            scores[i] *= sm_scale;
-            if (scores[i] > best) best = scores[i];
+    for (int64_t h0 = kvh * group; h0 < (kvh + 1) * group; h0 += HEADS_TOGETHER) {
+        const int64_t left = (kvh + 1) * group - h0;
+        switch (left < HEADS_TOGETHER ? left : HEADS_TOGETHER) {
+            case 4: attend_heads(t, h0, 4, q, kbase, vbase, out, keys, n, Hq, L, D, sm_scale, s); break;
+            case 3: attend_heads(t, h0, 3, q, kbase, vbase, out, keys, n, Hq, L, D, sm_scale, s); break;
+            case 2: attend_heads(t, h0, 2, q, kbase, vbase, out, keys, n, Hq, L, D, sm_scale, s); break;
+            default: attend_heads(t, h0, 1, q, kbase, vbase, out, keys, n, Hq, L, D, sm_scale, s); break;
         }
-        for (i = 0; i < n; i++) scores[i] -= best;
-        for (i = 0; i < n; i += 8) exp_run(scores + i, scores + i, n - i < 8 ? n - i : 8);
-        float total = 0.0f;
-        for (i = 0; i < n; i++) total += scores[i];
-        /* acc[d] = sum_i e_i v_i[d], one FMA per key in key order for every d. Blocks of 64
-         * columns keep their eight accumulators in registers across all keys. */
-        int64_t d = 0;
-        for (; d + 64 <= D8; d += 64) {
-            __m256 a[8];
-            for (int b = 0; b < 8; b++) a[b] = _mm256_setzero_ps();
-            for (i = 0; i < n; i++) {
-                const __m256 ev = _mm256_set1_ps(scores[i]);
-                const uint16_t *v = vbase + keys[i] * D + d;
-                for (int b = 0; b < 8; b++) a[b] = _mm256_fmadd_ps(ev, widen_bf16(v + 8 * b), a[b]);
-            }
-            for (int b = 0; b < 8; b++) _mm256_storeu_ps(acc + d + 8 * b, a[b]);
-        }
-        for (int64_t j = d; j < D; j++) acc[j] = 0.0f;
-        for (i = 0; i < n && d < D; i++) {
-            const float e = scores[i];
-            const uint16_t *v = vbase + keys[i] * D;
-            const __m256 ev = _mm256_set1_ps(e);
-            int64_t j = d;
-            for (; j < D8; j += 8)
-                _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(ev, widen_bf16(v + j), _mm256_loadu_ps(acc + j)));
-            for (; j < D; j++) acc[j] = __builtin_fmaf(e, widen_one(v[j]), acc[j]);
-        }
-        for (int64_t d = 0; d < D; d++) out[head * D + d] = round_bf16(acc[d] / total);
     }
 }
 

@@ -128,6 +128,30 @@ def test_attention_matches_the_specification_and_is_batch_invariant():
 
 
 @needs_kernels
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (4, 24), (7, 80), (9, 8)])
+def test_query_heads_that_share_key_loads_get_the_bits_of_each_head_alone(group, head_dim):
+    """The kernel scores up to four query heads of a KV group per key load: each head's output
+    is the same sequence of operations as that head attending alone (one query head, one KV
+    head), and close to the float64 specification."""
+    torch.manual_seed(group)
+    kv_heads, rows = 2, 5
+    k_cache, v_cache = torch.randn(2, 3, kv_heads, 30, head_dim).bfloat16()
+    q = torch.randn(rows, group * kv_heads, head_dim).bfloat16()
+    cu_q, slots, prefix = torch.tensor([0, rows]), torch.tensor([1]), torch.tensor([17])
+    tree_mask = torch.tensor([[1], [3], [5], [11], [19]], dtype=torch.int32)
+    out = tree_attention(q, k_cache, v_cache, cu_q, slots, prefix, tree_mask, sm_scale=0.3, backend="cpu")
+    want = tree_attention_naive(q.double(), k_cache.double(), v_cache.double(), cu_q, slots, prefix, tree_mask,
+                                sm_scale=0.3)  # fmt: skip
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2**-7)
+    for head in range(group * kv_heads):
+        kv = head // group
+        alone = tree_attention(q[:, head : head + 1], k_cache[:, kv : kv + 1].contiguous(),
+                               v_cache[:, kv : kv + 1].contiguous(), cu_q, slots, prefix, tree_mask, sm_scale=0.3,
+                               backend="cpu")  # fmt: skip
+        assert torch.equal(alone[:, 0], out[:, head]), head
+
+
+@needs_kernels
 def test_attention_refuses_inputs_outside_the_contract():
     """The kernel reads raw pointers: bad shapes or slots are refused before it runs."""
     q, k_cache, v_cache, cu_q, slots, prefix, tree_mask = tree_case()

@@ -112,7 +112,7 @@ static void block_rows(const float *x, const uint16_t *w, const float *bias, flo
  * bf16 and vdpbf16ps multiplies 32 bf16 pairs per instruction into 16 fp32 lanes, with no
  * widening. Its own fixed sequence per output: lane j accumulates the pairs k = 32i + 2j, 2j + 1
  * in increasing i (the instruction's order within a pair), the K % 32 tail as one masked step
- * with zeros past K, then the 16 lanes folded in one fixed order. A given CPU gives each row the
+ * with zeros past K, then the 16 lanes folded in one fixed tree (sums4: four outputs at once). A given CPU gives each row the
  * same bits alone or among others, as on the AVX2 road; the two roads differ from each other in
  * the last bits, so a process keeps one (treespec_set_isa, called once at load). */
 enum { ISA_AVX2 = 0, ISA_AVX512_BF16 = 2 };
@@ -120,10 +120,18 @@ static int g_isa = ISA_AVX2;
 
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
-BF16_TARGET static inline float lanes_sum16(__m512 v) {
-    const __m256 lo = _mm512_castps512_ps256(v);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    return lanes_sum(_mm256_add_ps(lo, hi));
+/* The 16-lane sums of four accumulators a, b, c, d at once, into out[0..3]. Each sum is one fixed
+ * tree whatever the other three hold (zeros for a tile's missing columns): within each 128-bit
+ * quarter (l0 + l2) + (l1 + l3), then the quarters (q0 + q2) + (q1 + q3). */
+BF16_TARGET static inline void sums4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* a02 b02 a13 b13 */
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd)));
+    const __m512 hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd)));
+    const __m512 quarters = _mm512_add_ps(lo, hi); /* per quarter: a b c d */
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(quarters),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(quarters), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
 }
 
 BF16_TARGET static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, const uint16_t *w,
@@ -153,11 +161,12 @@ BF16_TARGET static inline __attribute__((always_inline)) void tile_bf16(const ui
             for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv, (__m512bh)wv[c]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            const float dot = lanes_sum16(acc[r][c]);
-            y[r * N + c] = bias ? dot + bias[c] : dot;
-        }
+    for (int r = 0; r < R; r++) {
+        for (int c = C; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+        float dots[4];
+        sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], dots);
+        for (int c = 0; c < C; c++) y[r * N + c] = bias ? dots[c] + bias[c] : dots[c];
+    }
 }
 
 BF16_TARGET static inline __attribute__((always_inline)) void columns_bf16(const uint16_t *x, const uint16_t *w,
@@ -705,7 +714,7 @@ void treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const u
     free(attn);
 }
 
-/* The arithmetic peak of a road, for the kernel micro-benchmark (scripts/bench_kernels.py --cpu):
+/* The arithmetic peak of a road, for the kernel micro-benchmark (scripts/bench_cpu_kernels.py):
  * every thread runs twelve independent chains of fp32 FMAs (AVX2: 16 flops each) or of bf16 dot
  * products (AVX512-BF16: 64 flops each) from registers, `iterations` times. Returns flops per
  * second over all threads. */
@@ -715,8 +724,11 @@ BF16_TARGET static double peak_bf16(int64_t iterations) {
     for (int i = 0; i < 12; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t n = 0; n < iterations; n++)
         for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-    float sink = 0.0f;
-    for (int i = 0; i < 12; i++) sink += lanes_sum16(acc[i]);
+    float sink = 0.0f, dots[4];
+    for (int i = 0; i < 12; i += 4) {
+        sums4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3], dots);
+        sink += dots[0] + dots[1] + dots[2] + dots[3];
+    }
     return sink;
 }
 

@@ -259,12 +259,13 @@ def tree_and_paths_logits(target: Target) -> tuple[torch.Tensor, dict[int, torch
 @needs_kernels
 def test_batch_invariant_tree_logits_equal_the_autoregressive_steps_bit_for_bit():
     """Every node's logits from one tree forward equal those of the autoregressive steps over its
-    path, bit for bit, in bf16. The control shows the comparison can fail: the same model with
-    its MLP's intermediate units in reverse order computes the same function, summed in another
-    order by construction, and its logits are close but not the same bits (whether a library's
-    multi-row kernel sums like its one-row kernel depends on the CPU, so that is no control).
-    The down projections' weights spread over many binades, so those sums round (fp32 sums of
-    bf16 products of one binade are often exact, in any order)."""
+    path, bit for bit, in bf16. The same model with its MLP's intermediate units rotated by one
+    computes the same function summed in another order: its logits are close. Whether that
+    reordering also changes bits after the model's bf16 roundings depends on the road and the
+    CPU, so the control that bit equality can fail is built by construction instead
+    (:func:`test_bit_equality_sees_the_order_of_a_sum`). The down projections' weights spread
+    over many binades, so those sums round (fp32 sums of bf16 products of one binade are often
+    exact, in any order)."""
     model = build("llama", seed=4, hidden_size=512, intermediate_size=2048).to(torch.bfloat16)
     with torch.no_grad():  # weights over 2^-6..2^6 times their size: fp32 sums of bf16 products round
         for layer in model.model.layers:
@@ -279,12 +280,35 @@ def test_batch_invariant_tree_logits_equal_the_autoregressive_steps_bit_for_bit(
         for layer in reordered.model.layers:
             mlp = layer.mlp
             for proj in (mlp.gate_proj, mlp.up_proj):
-                proj.weight.copy_(proj.weight.flip(0))
-            mlp.down_proj.weight.copy_(mlp.down_proj.weight.flip(1))
+                proj.weight.copy_(proj.weight.roll(1, 0))
+            mlp.down_proj.weight.copy_(mlp.down_proj.weight.roll(1, 1))
     _, reordered_alone = tree_and_paths_logits(Target(reordered, batch_invariant=True))
     for node, logits in alone.items():
         torch.testing.assert_close(reordered_alone[node], logits, rtol=0.05, atol=0.05)
-    assert not all(torch.equal(reordered_alone[node], logits) for node, logits in alone.items())
+
+
+@needs_kernels
+@pytest.mark.parametrize("road", list(cpu_kernels.ISAS))
+def test_bit_equality_sees_the_order_of_a_sum(road):
+    """The negative control of every bit-for-bit test here, different by construction: one dot
+    product whose terms sit in one accumulator lane (k = 0, 32, 64, 96 on both roads) as 256,
+    -256, 2^-20, 2^-20. In increasing k the big terms cancel first and the small ones survive
+    (2^-19); with k reversed the small ones are absorbed by -256 (below half its ulp) and the
+    result is 0. A kernel that summed a row in any other order would fail one of the two."""
+    missing = cpu_kernels.ISA_FLAGS[road] - cpu_kernels._cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(sorted(missing))} for the {road} road")
+    terms = torch.zeros(128)
+    terms[[0, 32, 64, 96]] = torch.tensor([256.0, -256.0, 2.0**-20, 2.0**-20])
+    weight = (terms != 0).to(torch.bfloat16)[None]
+    previous = cpu_kernels.set_isa(road)
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = terms.to(dtype)[None]
+            assert cpu_kernels.linear_bf16(x, weight).item() == 2.0**-19
+            assert cpu_kernels.linear_bf16(x.flip(-1), weight.flip(-1)).item() == 0.0
+    finally:
+        cpu_kernels.set_isa(previous)
 
 
 @needs_kernels

@@ -9,7 +9,7 @@ from conftest import build, oracle_table
 from test_eagle import random_head
 
 import treespec
-from treespec.budget import AcceptanceStats, AdaptiveProposer, BudgetChooser, CostModel
+from treespec.budget import AcceptanceStats, AdaptiveProposer, BudgetChooser, CostModel, StepThroughput
 from treespec.proposers import EagleProposer, NgramProposer, ProposalRequest, Proposer
 from treespec.proposers.base import RequestResult, StepResult
 from treespec.sampling import SamplingParams
@@ -256,3 +256,32 @@ def test_greedy_steps_without_a_tree_skip_the_tree_sampler(monkeypatch):
     drafted = sum(n > 0 for n in proposer.chosen)
     assert 0 < drafted < len(proposer.chosen)
     assert len(calls) == drafted
+
+
+def test_a_proposer_for_the_next_request_starts_from_the_measured_rates():
+    """The rates of steps with and without trees are the machine's, not the text's: a proposer
+    given the StepThroughput of one that found trees losing drafts nothing from its first step
+    (but for probes), while its acceptance statistics start fresh."""
+    now = [0.0]
+    shared = StepThroughput()
+
+    def run(proposer, steps):
+        request = ProposalRequest(0, [7], 1, SamplingParams(), 1000)
+        for _ in range(steps):
+            tree = proposer.propose([request])
+            now[0] += 2.0 if tree.num_nodes > 1 else 1.0  # trees take twice as long...
+            tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+            claimed = RequestResult(0, tokens, parents, list(range(len(tokens))), [0])  # ...for one token
+            proposer.observe(StepResult([claimed]))
+
+    def fresh():
+        chooser = BudgetChooser(CostModel([1, 8, 64], [1.0, 1.0, 1.0]))
+        return AdaptiveProposer(ChainOfBudget(), chooser, clock=lambda: now[0], throughput=shared)
+
+    first = fresh()
+    run(first, 20)
+    assert shared.trees_lose()
+    second = fresh()
+    run(second, 7)
+    assert second.chosen == [0] * 7  # no probe is due yet
+    assert second.stats.trials == AcceptanceStats().trials

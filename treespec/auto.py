@@ -3,7 +3,8 @@
 The target is recognised by the folder it was loaded from (``treespec.models.load`` names it
 after the registry entry, e.g. ``smollm2-135m-instruct``). The choice: the shipped EAGLE head on
 an EAGLE-2 dynamic tree of at most 31 drafted nodes whose size the adaptive budget picks each
-step (``treespec.budget``), the forward-cost curve measured once per target and batch size.
+step (``treespec.budget``), the forward-cost curve measured once per target and batch size and,
+with it, the measured rates of steps with and without a tree kept across calls.
 Without shipped heads: the n-gram trie, which needs nothing.
 """
 
@@ -14,13 +15,14 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from treespec import heads
-from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
+from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel, StepThroughput
 from treespec.proposers.base import Proposer
 from treespec.proposers.eagle import EagleProposer
 from treespec.proposers.ngram import NgramProposer
 from treespec.target import Target
 
 _COSTS: dict[tuple[int, int], CostModel] = {}  # (id(model), batch size) -> measured forward costs
+_RATES: dict[tuple[int, int], StepThroughput] = {}  # the same key -> step rates, with and without trees
 
 
 def model_name(model: PreTrainedModel) -> str:
@@ -36,4 +38,5 @@ def auto_proposer(model: PreTrainedModel, *, batch_size: int = 1, target: Target
     if key not in _COSTS:
         _COSTS[key] = CostModel.measure(target or Target(model), batch_size=batch_size, repeats=3)
     eagle = EagleProposer(head, model, depth=6, top_k=8, total_tokens=31, max_batch_size=batch_size)
-    return AdaptiveProposer(eagle, BudgetChooser(_COSTS[key]))
+    throughput = _RATES.setdefault(key, StepThroughput())
+    return AdaptiveProposer(eagle, BudgetChooser(_COSTS[key]), throughput=throughput)

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from treespec import heads
 from treespec.api import generate
-from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
+from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel, StepThroughput
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
 from treespec.linear import LINEAR_BACKENDS
@@ -149,6 +149,7 @@ class Components:
         self.shipped = {**heads.shipped_for(config.model), **dict(config.heads)}
         self._heads: dict[str, object] = {}
         self.cost_model = None
+        self._throughput: dict[str, StepThroughput] = {}  # method -> measured step rates, kept across prompts
 
     def head(self, kind: str, *, for_what: str):
         key = (kind, for_what == "hf-assisted")  # HF's copy and treespec's each get their own
@@ -173,7 +174,8 @@ class Components:
     def proposer(self, method: str):
         """A fresh proposer for one run of ``method`` (None for the autoregressive reference).
         Fresh, not kept across prompts: kept, the heads' acceptance learned on earlier prompts
-        chose larger trees that lost (docs/benchmark.md)."""
+        chose larger trees that lost (docs/benchmark.md). What the machine taught (the cost curve,
+        and per method the measured rates of steps with and without a tree) is kept."""
         batch = self.config.batch_size
         if method == "none":
             return None
@@ -198,9 +200,10 @@ class Components:
                                   total_tokens=24, max_batch_size=batch, linear_backend=linear,
                                   attention_backend=attention, readout_ids=readout)  # fmt: skip
             return HybridProposer(
-                self._adaptive(eagle), NgramProposer(max_depth=8, max_nodes=8, token_cost=self.token_cost())
+                self._adaptive(eagle, method),
+                NgramProposer(max_depth=8, max_nodes=8, token_cost=self.token_cost()),
             )
-        return self._adaptive(inner)
+        return self._adaptive(inner, method)
 
     def token_cost(self) -> float:
         """The n-gram proposers' cost of a drafted token: from this machine's measured cost curve
@@ -225,14 +228,15 @@ class Components:
             return None
         return range(self.config.draft_vocab)
 
-    def _adaptive(self, proposer):
+    def _adaptive(self, proposer, method: str):
         if self.config.budget == "fixed":
             return proposer
         if self.config.budget.isdigit():  # a fixed budget smaller than the proposer's own
             nodes = int(self.config.budget)
             proposer.set_budget(nodes, depth=nodes)  # as deep as the nodes allow, within the proposer's depth
             return proposer
-        return AdaptiveProposer(proposer, self.budget_chooser())
+        throughput = self._throughput.setdefault(method, StepThroughput())
+        return AdaptiveProposer(proposer, self.budget_chooser(), throughput=throughput)
 
 
 def run_method(components: Components, method: str, prompts: list[list[int]], generator_seed: int) -> dict:

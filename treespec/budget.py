@@ -258,6 +258,7 @@ class AdaptiveProposer(Proposer):
         stats: AcceptanceStats | None = None,
         probe_every: int = 8,
         clock: Callable[[], float] = time.perf_counter,
+        throughput: StepThroughput | None = None,
     ) -> None:
         """``probe_every``: when speculating does not pay, still draft the best non-empty tree
         after this many idle steps, so the acceptance estimates keep learning (else a
@@ -270,7 +271,10 @@ class AdaptiveProposer(Proposer):
         chosen, every ``4 * probe_every``-th step runs without one to measure the baseline
         (every ``probe_every // 2``-th until two are measured); when trees measure slower than
         no tree, none is drafted but for probes. ``clock``
-        (seconds) is a parameter so that tests can drive it."""
+        (seconds) is a parameter so that tests can drive it. ``throughput``: the measured rates
+        to start from and add to; pass one :class:`StepThroughput` to the proposers of successive
+        requests on one machine (as the chooser's cost curve is shared) so that each does not
+        relearn that trees lose here; acceptance statistics stay each proposer's own."""
         if not isinstance(proposer, Proposer) or not proposer.has_budget:
             raise TypeError(
                 f"{type(proposer).__name__} has no settable budget (has_budget is False, no set_budget): its tree size is fixed"
@@ -287,7 +291,7 @@ class AdaptiveProposer(Proposer):
         self.hidden_layers = proposer.hidden_layers
         self.probe_every = probe_every
         self.clock = clock
-        self.throughput = StepThroughput()
+        self.throughput = throughput if throughput is not None else StepThroughput()
         self._idle = 0  # steps since the last tree
         self._wait = probe_every  # idle steps before the next probe
         self._since_plain = 0  # tree steps since the last step without a tree

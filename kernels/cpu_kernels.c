@@ -211,6 +211,19 @@ static inline uint16_t round_bf16(float f) { /* round to nearest even, as PyTorc
     return (uint16_t)(bits >> 16);
 }
 
+/* round_bf16 on eight lanes: each lane's bf16 bits in the low half of its 32 (the same
+ * round-to-nearest-even and quiet NaN as the scalar). */
+static inline __m256i round_bf16x8(__m256 f) {
+    const __m256i bits = _mm256_castps_si256(f);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(rounded, _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40)), nan);
+}
+
+/* widen_one(round_bf16(v)) on eight lanes. */
+static inline __m256 widen_rounded8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(round_bf16x8(v), 16)); }
+
 /* One thread's share of y_i = x W_i^T + bias_i for `count` matrices read from the same x (fp32
  * [M, K]): thread `me` of `threads` takes a contiguous range of the matrices' weight-row quads
  * (matrix i owns quads first_quad[i] .. first_quad[i+1]-1) and computes them for every row of x,
@@ -676,6 +689,16 @@ void treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const u
                 const int64_t runs = (T * I + 7) / 8, e0 = 8 * (runs * me / threads), e1 = 8 * (runs * (me + 1) / threads);
                 for (int64_t e = e0; e < e1 && e < T * I; e += 8) {
                     const int64_t n = T * I - e < 8 ? T * I - e : 8;
+                    if (n == 8) { /* the scalar sequence below, eight lanes at a time: the same bits */
+                        const __m256 gate = widen_rounded8(_mm256_loadu_ps(y_gu[0] + e));
+                        const __m256 ex = exp8(_mm256_xor_ps(gate, _mm256_set1_ps(-0.0f)));
+                        const __m256 act = widen_rounded8(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), ex)));
+                        const __m256i prod = round_bf16x8(_mm256_mul_ps(act, widen_rounded8(_mm256_loadu_ps(y_gu[1] + e))));
+                        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(prod, prod), 0x08);
+                        _mm_storeu_si128((__m128i *)(xb + e), _mm256_castsi256_si128(packed));
+                        _mm256_storeu_ps(x + e, _mm256_castsi256_ps(_mm256_slli_epi32(prod, 16)));
+                        continue;
+                    }
                     float gate[8], minus[8], ex[8];
                     for (int64_t j = 0; j < n; j++) {
                         gate[j] = widen_one(round_bf16(y_gu[0][e + j]));

@@ -1,22 +1,27 @@
-/* y = x W^T for bf16 weights on an x86-64 CPU with AVX2 and FMA: the few-row products of a
- * decode or tree step.
+/* treespec's CPU kernels for x86-64: the linear layer y = x W^T + b with bf16 weights, the tree
+ * attention over treespec's KV cache, and a whole Llama-style decoder stack in one call.
  *
- * x is [M, K] fp32, W is [N, K] bf16 (the nn.Linear layout), y is [M, N] fp32. The weight stays
- * bf16 in memory (half the bytes of an fp32 copy: a one-row step is bound by reading it) and is
- * widened to fp32 in registers (bf16 is the top half of an fp32, so widening is a shift and
- * exact); products accumulate in fp32.
+ * Linear: W is [N, K] bf16 (the nn.Linear layout), x [M, K] and y [M, N] bf16 or fp32. The
+ * weight stays bf16 in memory (half the bytes of an fp32 copy: a one-row step is bound by
+ * reading it). Two roads, one per process (treespec_set_isa): AVX2 + FMA widens the weight to
+ * fp32 in registers (a shift: exact) and accumulates with FMAs; AVX512-BF16 keeps x in bf16 and
+ * multiplies pairs with vdpbf16ps (see that road below).
  *
  * Batch invariance: every output y[m, n] is computed by the same sequence of operations whatever
- * M is and wherever row m falls: eight fp32 lanes accumulate x[m, k:k+8] * W[n, k:k+8] with
- * fused multiply-adds in increasing k, the lanes are summed in one fixed order, and the K % 8
- * tail is added last, one fused multiply-add per k. A row scored alone (an autoregressive step)
- * and the same row scored among a tree's rows give the same bits. Built with
- * -ffp-contract=off, so the compiler adds no fusions of its own.
+ * M is and wherever row m falls. On the AVX2 road eight fp32 lanes accumulate x[m, k:k+8] *
+ * W[n, k:k+8] with fused multiply-adds in increasing k, the lanes are summed in one fixed order,
+ * and the K % 8 tail is added last, one fused multiply-add per k. A row scored alone (an
+ * autoregressive step) and the same row scored among a tree's rows give the same bits. Built
+ * with -ffp-contract=off, so the compiler adds no fusions of its own. The plain reference of
+ * this contract is treespec.kernels.cpu_kernels.linear_reference (the same sums in float64).
  *
- * Work split: threads take contiguous ranges of weight-row pairs (OpenMP, the process's own
+ * Work split: threads take contiguous ranges of weight-row quads (OpenMP, the process's own
  * runtime: PyTorch's libgomp is already loaded and serves this library too); within a range,
  * rows of x go by blocks of 64 (a block stays in L2 while the weight streams past it), and
  * register tiles of up to four weight rows by four x rows do the arithmetic.
+ *
+ * Failure: an entry point that cannot allocate its work buffers returns TREESPEC_NO_MEMORY before
+ * computing anything (the Python side raises MemoryError); nothing here aborts the process.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -25,6 +30,10 @@
 #include <string.h>
 
 #define ROW_BLOCK 64
+
+/* What an entry point returns when it could not allocate its work buffers (0: done). It returns
+ * before computing anything, and the Python side raises MemoryError. */
+#define TREESPEC_NO_MEMORY 1
 
 static inline __m256 widen_bf16(const uint16_t *p) {
     __m128i half = _mm_loadu_si128((const __m128i *)p);
@@ -258,25 +267,34 @@ static void quad_offsets(int count, const int64_t *N, int64_t *first_quad) {
  * parallel pass (q/k/v or gate/up of a layer read the same x: one call instead of three). x and
  * the y_i are bf16 when x_bf16 / y_bf16, else fp32; the W_i and the biases (each may be NULL) are
  * bf16. Every output is computed exactly as a call for its matrix alone would compute it. */
-void treespec_linear_bf16_many(const void *x_in, int x_bf16, int count, const uint16_t *const *w,
-                               const uint16_t *const *bias_in, void *const *y_out, int y_bf16, int64_t M,
-                               const int64_t *N, int64_t K) {
+int treespec_linear_bf16_many(const void *x_in, int x_bf16, int count, const uint16_t *const *w,
+                              const uint16_t *const *bias_in, void *const *y_out, int y_bf16, int64_t M,
+                              const int64_t *N, int64_t K) {
     const uint16_t *xb = x_bf16 ? x_in : 0; /* the bf16 road reads it as it is */
     const int widen = x_bf16 && g_isa != ISA_AVX512_BF16;
     float *x = widen ? malloc(sizeof(float) * M * K) : (float *)x_in;
-    if (widen && !x) abort();
+    float *y[count], *bias[count];
+    int failed = widen && !x;
+    for (int i = 0; i < count; i++) {
+        y[i] = !y_bf16 ? (float *)y_out[i] : failed ? 0 : malloc(sizeof(float) * M * N[i]);
+        bias[i] = bias_in[i] && !failed ? malloc(sizeof(float) * N[i]) : 0;
+        failed |= (y_bf16 && !y[i]) || (bias_in[i] && !bias[i]);
+    }
+    if (failed) { /* nothing computed, nothing left allocated */
+        if (widen) free(x);
+        for (int i = 0; i < count; i++) {
+            if (y_bf16) free(y[i]);
+            free(bias[i]);
+        }
+        return TREESPEC_NO_MEMORY;
+    }
     if (widen)
         for (int64_t i = 0; i < M * K; i++) x[i] = widen_one(xb[i]);
-    float *y[count], *bias[count];
     int64_t first_quad[count + 1];
     quad_offsets(count, N, first_quad);
-    for (int i = 0; i < count; i++) {
-        y[i] = y_bf16 ? malloc(sizeof(float) * M * N[i]) : (float *)y_out[i];
-        bias[i] = bias_in[i] ? malloc(sizeof(float) * N[i]) : 0;
-        if ((y_bf16 && !y[i]) || (bias_in[i] && !bias[i])) abort();
+    for (int i = 0; i < count; i++)
         if (bias[i])
             for (int64_t n = 0; n < N[i]; n++) bias[i][n] = widen_one(bias_in[i][n]);
-    }
 #pragma omp parallel
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
@@ -295,12 +313,13 @@ void treespec_linear_bf16_many(const void *x_in, int x_bf16, int count, const ui
         if (y_bf16) free(y[i]);
         free(bias[i]);
     }
+    return 0;
 }
 
 /* One matrix: y[M, N] = x[M, K] W[N, K]^T + bias[N] (see treespec_linear_bf16_many). */
-void treespec_linear_bf16(const void *x_in, int x_bf16, const uint16_t *w, const uint16_t *bias_in, void *y_out,
-                          int y_bf16, int64_t M, int64_t N, int64_t K) {
-    treespec_linear_bf16_many(x_in, x_bf16, 1, &w, &bias_in, &y_out, y_bf16, M, &N, K);
+int treespec_linear_bf16(const void *x_in, int x_bf16, const uint16_t *w, const uint16_t *bias_in, void *y_out,
+                         int y_bf16, int64_t M, int64_t N, int64_t K) {
+    return treespec_linear_bf16_many(x_in, x_bf16, 1, &w, &bias_in, &y_out, y_bf16, M, &N, K);
 }
 
 /* Tree attention for bf16 queries and K/V cache, batch-invariant.
@@ -372,18 +391,31 @@ typedef struct {
     int64_t *keys;
 } attention_scratch;
 
-static attention_scratch scratch_new(int64_t L, int64_t D) {
-    attention_scratch s = {malloc(sizeof(float) * HEADS_TOGETHER * (L + 4)), malloc(sizeof(float) * HEADS_TOGETHER * D),
-                           malloc(sizeof(float) * HEADS_TOGETHER * D), malloc(sizeof(int64_t) * (L + 4))};
-    if (!s.scores || !s.qf || !s.acc || !s.keys) abort();
-    return s;
+static void scratch_pool_free(attention_scratch *pool, int count) {
+    for (int i = 0; i < count; i++) {
+        free(pool[i].scores);
+        free(pool[i].qf);
+        free(pool[i].acc);
+        free(pool[i].keys);
+    }
+    free(pool);
 }
 
-static void scratch_free(attention_scratch s) {
-    free(s.scores);
-    free(s.qf);
-    free(s.acc);
-    free(s.keys);
+/* Scratch for each of `count` threads, allocated before the parallel region that uses it so
+ * that a failed allocation is reported before any work: NULL then (nothing is left allocated). */
+static attention_scratch *scratch_pool(int64_t L, int64_t D, int count) {
+    attention_scratch *pool = calloc((size_t)count, sizeof *pool);
+    if (!pool) return 0;
+    for (int i = 0; i < count; i++) {
+        pool[i] = (attention_scratch){malloc(sizeof(float) * HEADS_TOGETHER * (L + 4)),
+                                      malloc(sizeof(float) * HEADS_TOGETHER * D),
+                                      malloc(sizeof(float) * HEADS_TOGETHER * D), malloc(sizeof(int64_t) * (L + 4))};
+        if (!pool[i].scores || !pool[i].qf || !pool[i].acc || !pool[i].keys) {
+            scratch_pool_free(pool, count);
+            return 0;
+        }
+    }
+    return pool;
 }
 
 /* The scores of G query heads (qf [G, D] fp32) against keys k0 and k1, into scores[h * stride +
@@ -510,19 +542,23 @@ static void attend_item(int64_t t, int64_t kvh, const uint16_t *q, const uint16_
     }
 }
 
-void treespec_tree_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out,
-                                  const int64_t *row_slot, const int64_t *row_prefix, const int64_t *row_index,
-                                  const int64_t *row_new, const int32_t *mask, int64_t W, int64_t T, int64_t Hq,
-                                  int64_t Hkv, int64_t L, int64_t D, float sm_scale) {
-#pragma omp parallel
+int treespec_tree_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out,
+                                 const int64_t *row_slot, const int64_t *row_prefix, const int64_t *row_index,
+                                 const int64_t *row_new, const int32_t *mask, int64_t W, int64_t T, int64_t Hq,
+                                 int64_t Hkv, int64_t L, int64_t D, float sm_scale) {
+    const int threads = omp_get_max_threads();
+    attention_scratch *pool = scratch_pool(L, D, threads);
+    if (!pool) return TREESPEC_NO_MEMORY;
+#pragma omp parallel num_threads(threads)
     {
-        attention_scratch s = scratch_new(L, D);
+        const attention_scratch s = pool[omp_get_thread_num()];
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < T * Hkv; item++) /* one row, one KV head, its group of query heads */
             attend_item(item / Hkv, item % Hkv, q, k_cache, v_cache, out, row_slot, row_prefix, row_index, row_new,
                         mask, W, Hq, Hkv, L, D, sm_scale, s);
-        scratch_free(s);
     }
+    scratch_pool_free(pool, threads);
+    return 0;
 }
 
 /* A whole Llama-style decoder stack for one step, in one call: for each layer
@@ -605,7 +641,7 @@ static double phase_last;
 #define MARK_START() ((void)0)
 #endif
 
-void treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const uint16_t *final_norm,
+int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const uint16_t *final_norm,
                            int64_t num_layers, int64_t T, int64_t H, int64_t I, int64_t Hq, int64_t Hkv, int64_t D,
                            float eps, float sm_scale, const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache,
                            uint16_t *v_cache, int64_t S, int64_t L, const int64_t *row_slot,
@@ -618,7 +654,16 @@ void treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const u
     float *y = malloc(sizeof(float) * T * (widest_out > H ? widest_out : H)); /* linear outputs */
     uint16_t *xb = malloc(sizeof(uint16_t) * T * widest_in); /* the same input in bf16 (AVX512-BF16 road) */
     uint16_t *qb = malloc(sizeof(uint16_t) * T * QD), *attn = malloc(sizeof(uint16_t) * T * QD);
-    if (!x || !xb || !y || !qb || !attn) abort();
+    const int team = omp_get_max_threads();
+    attention_scratch *pool = x && xb && y && qb && attn ? scratch_pool(L, D, team) : 0;
+    if (!pool) { /* nothing computed, nothing left allocated */
+        free(x);
+        free(xb);
+        free(y);
+        free(qb);
+        free(attn);
+        return TREESPEC_NO_MEMORY;
+    }
     const int64_t n_qkv[3] = {QD, KD, KD}, n_gu[2] = {I, I}, n_h[1] = {H};
     int64_t fq_qkv[4], fq_gu[3], fq_h[2], fq_down[2];
     quad_offsets(3, n_qkv, fq_qkv);
@@ -627,11 +672,11 @@ void treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const u
     quad_offsets(1, n_h, fq_down);
     float *y_qkv[3] = {y, y + T * QD, y + T * (QD + KD)}, *y_gu[2] = {y, y + T * I}, *y_h[1] = {y};
     MARK_START();
-#pragma omp parallel
+#pragma omp parallel num_threads(team)
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t r0 = T * me / threads, r1 = T * (me + 1) / threads;
-        attention_scratch s = scratch_new(L, D);
+        const attention_scratch s = pool[me];
         for (int64_t layer = 0; layer < num_layers; layer++) {
             const void *const *lw = weights + layer * W_COUNT;
             uint16_t *kc = k_cache + layer * layer_cache, *vc = v_cache + layer * layer_cache;
@@ -728,13 +773,14 @@ void treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const u
         rmsnorm_rows(hidden, final_norm, eps, r0, r1, H, x, hidden); /* each row reads only itself */
 #pragma omp barrier
         MARK(12);
-        scratch_free(s);
     }
+    scratch_pool_free(pool, team);
     free(x);
     free(xb);
     free(y);
     free(qb);
     free(attn);
+    return 0;
 }
 
 /* The arithmetic peak of a road, for the kernel micro-benchmark (scripts/bench_cpu_kernels.py):

@@ -165,15 +165,15 @@ def load_library(
     lib.treespec_peak_flops.restype = ctypes.c_double
     lib.treespec_linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 3  # fmt: skip
-    lib.treespec_linear_bf16.restype = None
+    lib.treespec_linear_bf16.restype = ctypes.c_int
     lib.treespec_linear_bf16_many.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                                               ctypes.c_void_p, ctypes.c_int64]  # fmt: skip
-    lib.treespec_linear_bf16_many.restype = None
+    lib.treespec_linear_bf16_many.restype = ctypes.c_int
     lib.treespec_tree_attention_bf16.argtypes = (
         [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 6 + [ctypes.c_float]
     )
-    lib.treespec_tree_attention_bf16.restype = None
+    lib.treespec_tree_attention_bf16.restype = ctypes.c_int
     lib.treespec_decoder_bf16.argtypes = (
         [ctypes.c_void_p] * 3
         + [ctypes.c_int64] * 7
@@ -183,7 +183,7 @@ def load_library(
         + [ctypes.c_void_p] * 5
         + [ctypes.c_int64, ctypes.c_void_p]
     )
-    lib.treespec_decoder_bf16.restype = None
+    lib.treespec_decoder_bf16.restype = ctypes.c_int
     lib.treespec_set_isa.argtypes = [ctypes.c_int]
     lib.treespec_set_isa(ISAS[_chosen_isa()])
     return lib, ""
@@ -224,6 +224,29 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return linear_unchecked(x, weight.contiguous(), None if bias is None else bias.contiguous())
 
 
+NO_MEMORY = 1  # TREESPEC_NO_MEMORY in the C file
+
+
+def _raise_on_failure(code: int, what: str) -> None:
+    """An entry point's return code: 0 done, NO_MEMORY when it could not allocate its work
+    buffers (it returned before computing anything)."""
+    if code == NO_MEMORY:
+        raise MemoryError(f"treespec's CPU kernels could not allocate the work buffers of {what}")
+    if code != 0:
+        raise RuntimeError(f"treespec's CPU kernels returned {code} for {what}")
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain specification of :func:`linear_bf16`: ``x @ weight.T + bias`` summed in float64
+    (every bf16 product is exact there, and the sum's rounding is far below fp32's), then
+    rounded once to ``x``'s dtype. The kernel's fixed fp32 order differs from it by fp32
+    rounding only; tests hold the two together."""
+    out = x.double() @ weight.double().t()
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)
+
+
 def linear_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`linear_bf16` without its checks, for a caller that has made them: the kernel is
     available, ``weight`` (and ``bias``) are contiguous bf16 CPU tensors, ``x`` is a bf16 or fp32
@@ -233,8 +256,10 @@ def linear_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     out = torch.empty(x.shape[:-1] + weight.shape[:1], dtype=x.dtype)
     bf16 = x.dtype is torch.bfloat16
     n, k = weight.shape
-    _load()[0].treespec_linear_bf16(rows.data_ptr(), bf16, weight.data_ptr(), bias if bias is None else bias.data_ptr(),
-                                    out.data_ptr(), bf16, rows.numel() // k, n, k)  # fmt: skip
+    code = _load()[0].treespec_linear_bf16(rows.data_ptr(), bf16, weight.data_ptr(),
+                                           bias if bias is None else bias.data_ptr(), out.data_ptr(), bf16,
+                                           rows.numel() // k, n, k)  # fmt: skip
+    _raise_on_failure(code, f"the linear layer over {rows.numel() // k} rows x {n} outputs")
     return out
 
 
@@ -249,11 +274,12 @@ def linear_many_unchecked(
     outs = [torch.empty(x.shape[:-1] + w.shape[:1], dtype=x.dtype) for w in weights]
     pointers = ctypes.c_void_p * count
     bf16 = x.dtype is torch.bfloat16
-    _load()[0].treespec_linear_bf16_many(
+    code = _load()[0].treespec_linear_bf16_many(
         rows.data_ptr(), bf16, count, pointers(*[w.data_ptr() for w in weights]),
         pointers(*[None if b is None else b.data_ptr() for b in biases]), pointers(*[o.data_ptr() for o in outs]),
         bf16, rows.numel() // k, (ctypes.c_int64 * count)(*[w.shape[0] for w in weights]), k,
     )  # fmt: skip
+    _raise_on_failure(code, f"{count} linear layers over {rows.numel() // k} rows")
     return outs
 
 
@@ -280,11 +306,12 @@ def tree_attention_bf16(
     _, kv_heads, max_len, _ = k_cache.shape
     mask = None if tree_mask is None else tree_mask.contiguous()
     words = 0 if mask is None else mask.shape[1]
-    _load()[0].treespec_tree_attention_bf16(
+    code = _load()[0].treespec_tree_attention_bf16(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), row_slot.data_ptr(),
         row_prefix.data_ptr(), row_index.data_ptr(), row_new.data_ptr(), None if mask is None else mask.data_ptr(),
         words, num_rows, num_heads, kv_heads, max_len, head_dim, sm_scale,
     )  # fmt: skip
+    _raise_on_failure(code, f"the tree attention over a cache of {max_len} positions")
     return out
 
 
@@ -320,12 +347,13 @@ def decoder_bf16(
     argument; nothing here checks them beyond the cache's layout."""
     if not (keys.is_contiguous() and values.is_contiguous() and keys.dtype is torch.bfloat16):
         raise ValueError(f"the fused decoder needs contiguous bf16 caches, got {keys.dtype}")
-    _load()[0].treespec_decoder_bf16(
+    code = _load()[0].treespec_decoder_bf16(
         hidden.data_ptr(), table, final_norm.data_ptr(), num_layers, num_rows, hidden_size, intermediate_size,
         num_heads, num_kv_heads, head_dim, eps, sm_scale, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
         values.data_ptr(), num_slots, max_len, row_slot.data_ptr(), row_prefix.data_ptr(), row_index.data_ptr(),
         row_new.data_ptr(), None if mask is None else mask.data_ptr(), words, layer_out,
     )  # fmt: skip
+    _raise_on_failure(code, f"the fused decoder over {num_rows} rows and a cache of {max_len} positions")
 
 
 def peak_flops(road: str, iterations: int = 20_000_000) -> float:

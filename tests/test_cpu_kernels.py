@@ -29,12 +29,11 @@ def test_linear_matches_float64_and_is_batch_invariant(shape):
     weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
     x = torch.randn(37, k)
     full = cpu_kernels.linear_bf16(x, weight)
-    want = x.double() @ weight.double().t()
-    torch.testing.assert_close(full.double(), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(full, cpu_kernels.linear_reference(x, weight), atol=1e-4, rtol=1e-5)
     rounded = cpu_kernels.linear_bf16(x.bfloat16(), weight, bias)  # bf16 in and out: one rounding at the end
     assert rounded.dtype == torch.bfloat16
-    wide = x.bfloat16().double() @ weight.double().t() + bias.double()
-    torch.testing.assert_close(rounded.double(), wide, atol=2e-2, rtol=2**-7)
+    want = cpu_kernels.linear_reference(x.bfloat16(), weight, bias)
+    torch.testing.assert_close(rounded.double(), want.double(), atol=2e-2, rtol=2**-7)
     for rows in (slice(0, 1), slice(3, 4), slice(0, 3), slice(1, 6), slice(5, 22), slice(0, 36)):
         assert torch.equal(cpu_kernels.linear_bf16(x[rows], weight), full[rows])  # the same bits, any batch
         assert torch.equal(cpu_kernels.linear_bf16(x[rows].bfloat16(), weight, bias), rounded[rows])
@@ -307,6 +306,35 @@ def test_bit_equality_sees_the_order_of_a_sum(road):
             x = terms.to(dtype)[None]
             assert cpu_kernels.linear_bf16(x, weight).item() == 2.0**-19
             assert cpu_kernels.linear_bf16(x.flip(-1), weight.flip(-1)).item() == 0.0
+    finally:
+        cpu_kernels.set_isa(previous)
+
+
+@needs_kernels
+@pytest.mark.parametrize("road", list(cpu_kernels.ISAS))
+def test_a_kernel_that_cannot_allocate_its_buffers_raises_instead_of_aborting(road):
+    """Sizes whose work buffers exceed any address space (2^56 bytes): the C entry points return
+    before computing anything, and Python raises MemoryError naming what was asked (the process
+    lives on, and the kernels still work after)."""
+    missing = cpu_kernels.ISA_FLAGS[road] - cpu_kernels._cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(sorted(missing))} for the {road} road")
+    previous = cpu_kernels.set_isa(road)
+    try:
+        x, weight = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)
+        y = torch.empty(4, 4, dtype=torch.bfloat16)
+        lib = cpu_kernels._load()[0]
+        rows = 2**52  # y's fp32 scratch (and the AVX2 road's widened x): 2^56 bytes
+        code = lib.treespec_linear_bf16(x.data_ptr(), 1, weight.data_ptr(), None, y.data_ptr(), 1, rows, 4, 8)
+        assert code == cpu_kernels.NO_MEMORY
+        q = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+        cache = torch.zeros(8, dtype=torch.bfloat16).as_strided(
+            (1, 1, 2**52, 8), (0, 0, 0, 1)
+        )  # claims 2^52 positions
+        one = torch.zeros(1, dtype=torch.long)
+        with pytest.raises(MemoryError, match="tree attention over a cache of 4503599627370496 positions"):
+            cpu_kernels.tree_attention_bf16(q, cache, cache, one, one, one, one + 1, None, 0.5)
+        assert torch.equal(cpu_kernels.linear_bf16(x, weight), torch.zeros(4, 4, dtype=torch.bfloat16))
     finally:
         cpu_kernels.set_isa(previous)
 

@@ -464,3 +464,12 @@ def test_pack_ancestor_mask_agrees_with_builders_on_ragged_sizes():
     assert tree.tree_mask.shape == (95, 2)
     assert torch.equal(tree.tree_mask[:63], pack_ancestor_mask(list(shape.parents)))
     tree.validate()
+
+
+def test_a_step_that_drafts_nothing_has_one_root_per_request():
+    roots = TokenTree.roots([5, 9, 5])
+    want = TokenTree.from_lists([[5], [9], [5]])
+    assert roots.num_nodes == roots.num_requests == 3 and roots.sizes() == [1, 1, 1]
+    for name in ("tokens", "parents", "depth", "cu_nodes"):
+        assert torch.equal(getattr(roots, name), getattr(want, name)), name
+    assert roots.max_depth() == 0

@@ -380,7 +380,7 @@ class AdaptiveProposer(Proposer):
         self.chosen.append(nodes)
         self._open_step = (now, nodes, len(requests))
         if nodes == 0:
-            return TokenTree.from_lists([[r.tokens[-1]] for r in requests])
+            return TokenTree.roots([r.tokens[-1] for r in requests])
         self.proposer.set_budget(nodes, max(depth, 1))
         tree = self.proposer.propose(requests)
         self._propose_times.append((nodes, self.clock() - now))

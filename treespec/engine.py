@@ -406,7 +406,7 @@ class Engine:
         if not decoding:
             return None, None
         if self.proposer is None:
-            return TokenTree.from_lists([[r.output[-1]] for r in decoding]).to(self.target.device), None
+            return TokenTree.roots([r.output[-1] for r in decoding]).to(self.target.device), None
         asks = self._asks(decoding)
         tree = self.proposer.propose(asks)
         suspect = check_proposal(tree, asks, self.target.vocab_size, self.max_tree_nodes, full=self.debug)

@@ -272,6 +272,12 @@ class TokenTree:
         )  # fmt: skip
 
     @classmethod
+    def roots(cls, tokens: Sequence[int]) -> TokenTree:
+        """The tree of a step that drafts nothing: one root per request (its last committed
+        token), the tree every proposer returns when its budget is zero."""
+        return cls.from_lists([[token] for token in tokens])
+
+    @classmethod
     def from_lists(
         cls,
         tokens: list[list[int]],

@@ -204,7 +204,7 @@ class EagleProposer(Proposer):
     def _draft(self, requests: list[ProposalRequest], root_features: torch.Tensor, depth: int) -> TokenTree:
         """One EAGLE-2 tree of ``depth`` levels per request, all of them the same depth."""
         if depth < 1:
-            return TokenTree.from_lists([[r.tokens[-1]] for r in requests])
+            return TokenTree.roots([r.tokens[-1] for r in requests])
         ids = [r.request_id for r in requests]
         k = self.top_k
         num_nodes = min(self.total_tokens, dynamic_capacity(k, depth))

@@ -473,3 +473,31 @@ def test_a_step_that_drafts_nothing_has_one_root_per_request():
     for name in ("tokens", "parents", "depth", "cu_nodes"):
         assert torch.equal(getattr(roots, name), getattr(want, name)), name
     assert roots.max_depth() == 0
+
+
+def test_one_check_refuses_a_dynamic_tree_that_cannot_exist_in_every_proposer():
+    """The dynamic-tree budget is checked in one place (tree.check_dynamic_budget): the tree
+    builder and the EAGLE, Medusa and draft proposers refuse with the same message, in the
+    caller's own argument names."""
+    from conftest import build
+    from test_eagle import random_head
+
+    from treespec.heads import MedusaConfig, MedusaHeads
+    from treespec.proposers import DraftModelProposer, EagleProposer, MedusaProposer
+    from treespec.tree import check_dynamic_budget
+
+    check_dynamic_budget(2, 3, 10, vocab=50)  # 2 + 2 * 4 = 10 nodes fit
+    with pytest.raises(
+        ValueError,
+        match=r"1 <= num_nodes <= top_k \+ \(depth - 1\) \* top_k\^2; got top_k=2, depth=3, num_nodes=11",
+    ):
+        check_dynamic_budget(2, 3, 11, vocab=50)
+    with pytest.raises(ValueError, match=r"1 <= top_k <= the vocabulary it ranks \(50\)"):
+        check_dynamic_budget(51, 1, 1, vocab=50)
+    model = build("llama")
+    with pytest.raises(ValueError, match="total_tokens=100"):
+        EagleProposer(random_head(model), model, top_k=2, depth=3, total_tokens=100)
+    with pytest.raises(ValueError, match="got dynamic top_k=2, depth=2, num_nodes=9"):
+        DraftModelProposer(model, dynamic=(2, 2, 9))
+    with pytest.raises(ValueError, match="got dynamic top_k=2, heads=2, num_nodes=100"):
+        MedusaProposer(MedusaHeads(MedusaConfig(64, 128, num_heads=2)), model, dynamic=(2, 100))

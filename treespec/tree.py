@@ -110,6 +110,26 @@ def dynamic_capacity(top_k: int, depth: int) -> int:
     return top_k + (depth - 1) * top_k * top_k
 
 
+def check_dynamic_budget(
+    top_k: int,
+    depth: int,
+    num_nodes: int,
+    *,
+    vocab: int,
+    names: tuple[str, str, str] = ("top_k", "depth", "num_nodes"),
+) -> None:
+    """Refuse an EAGLE-2 dynamic tree that cannot exist: it needs 1 <= top_k <= the vocabulary
+    it ranks (``vocab``), depth >= 1 and 1 <= num_nodes <= :func:`dynamic_capacity`. ``names``:
+    what the caller calls the three (a proposer's own argument names)."""
+    capacity = dynamic_capacity(top_k, depth) if top_k >= 1 and depth >= 1 else 0
+    if not (1 <= top_k <= vocab and depth >= 1 and 1 <= num_nodes <= capacity):
+        k, d, n = names
+        raise ValueError(
+            f"a dynamic tree needs 1 <= {k} <= the vocabulary it ranks ({vocab}), {d} >= 1 and 1 <= {n} <= "
+            f"{k} + ({d} - 1) * {k}^2; got {k}={top_k}, {d}={depth}, {n}={num_nodes}"
+        )
+
+
 def fit_dynamic_budget(
     top_k: int, max_depth: int, max_nodes: int, num_nodes: int, depth: int
 ) -> tuple[int, int]:
@@ -884,15 +904,7 @@ def build_dynamic_tree(
             f"need root_tokens [B] and root_logprobs [B, V], got {tuple(root_tokens.shape)} "
             f"and {tuple(root_logprobs.shape)}"
         )
-    if not (
-        1 <= top_k <= root_logprobs.shape[1]
-        and depth >= 1
-        and 1 <= num_nodes <= dynamic_capacity(top_k, depth)
-    ):
-        raise ValueError(
-            f"need 1 <= top_k <= vocab ({root_logprobs.shape[1]}), depth >= 1 and 1 <= num_nodes <= "
-            f"top_k + (depth - 1) * top_k^2; got top_k={top_k}, depth={depth}, num_nodes={num_nodes}"
-        )
+    check_dynamic_budget(top_k, depth, num_nodes, vocab=root_logprobs.shape[1])
     pool_tokens, pool_scores, pool_parents = _grow_pool(root_tokens, root_logprobs, expand, top_k, depth)
     batch, pool_size = pool_tokens.shape
     kept = _stable_top_indices(pool_scores, num_nodes + 1).sort(dim=1).values  # [B, n+1] drafting order

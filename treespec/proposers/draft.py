@@ -39,6 +39,7 @@ from treespec.tree import (
     TreeShape,
     build_dynamic_tree,
     chain,
+    check_dynamic_budget,
     dynamic_capacity,
     extend_ancestors,
     fit_dynamic_budget,
@@ -80,10 +81,8 @@ class DraftModelProposer(Proposer):
         self.has_budget = dynamic is not None
         if dynamic is not None:
             top_k, depth, num_nodes = dynamic
-            if not (top_k >= 1 and depth >= 1 and 1 <= num_nodes <= dynamic_capacity(top_k, depth)):
-                raise ValueError(
-                    f"dynamic=(top_k, depth, num_nodes) needs num_nodes <= top_k + (depth-1) top_k^2, got {dynamic}"
-                )
+            check_dynamic_budget(top_k, depth, num_nodes, vocab=self.draft.vocab_size,
+                                 names=("dynamic top_k", "depth", "num_nodes"))  # fmt: skip
         self.sampled_children = sample
         self.max_tree_nodes = dynamic[2] + 1 if dynamic is not None else self.shape.num_nodes
         self.vocab_size = self.draft.vocab_size

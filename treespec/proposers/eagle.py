@@ -41,6 +41,7 @@ from treespec.tree import (
     NO_PARENT,
     TokenTree,
     build_dynamic_tree,
+    check_dynamic_budget,
     dynamic_capacity,
     extend_ancestors,
     fit_dynamic_budget,
@@ -96,13 +97,8 @@ class EagleProposer(Proposer):
             raise ValueError(
                 f"feature_layers {layers} must lie in [0, {num_layers - 1}] (the target has {num_layers} layers)"
             )
-        capacity = dynamic_capacity(top_k, depth) if top_k >= 1 and depth >= 1 else 0
-        if not (1 <= top_k <= config.readout_size and depth >= 1 and 1 <= total_tokens <= capacity):
-            raise ValueError(
-                f"need 1 <= top_k <= the head's read-out vocabulary ({config.readout_size}), depth >= 1 and "
-                f"1 <= total_tokens <= top_k + (depth - 1) * top_k^2; got top_k={top_k}, depth={depth}, "
-                f"total_tokens={total_tokens}"
-            )
+        check_dynamic_budget(top_k, depth, total_tokens, vocab=config.readout_size,
+                             names=("top_k", "depth", "total_tokens"))  # fmt: skip
         head = _follow_target(head, target_model)
         weight = head.fc.weight
         backend = linear.resolve_linear_backend(linear_backend, weight.device, target_model.dtype)

@@ -19,7 +19,15 @@ from transformers import PreTrainedModel
 from treespec import linear
 from treespec.heads.medusa import MedusaHeads
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
-from treespec.tree import TokenTree, TreeShape, build_dynamic_tree, build_static_tree, chain, dynamic_capacity
+from treespec.tree import (
+    TokenTree,
+    TreeShape,
+    build_dynamic_tree,
+    build_static_tree,
+    chain,
+    check_dynamic_budget,
+    dynamic_capacity,
+)
 
 
 class MedusaProposer(Proposer):
@@ -63,11 +71,10 @@ class MedusaProposer(Proposer):
         if dynamic is not None:
             top_k, num_nodes = dynamic
             depth = config.num_heads
-            if tree is not None or not (1 <= top_k and 1 <= num_nodes <= dynamic_capacity(top_k, depth)):
-                raise ValueError(
-                    f"dynamic=(top_k, num_nodes) needs 1 <= num_nodes <= top_k + (heads - 1) top_k^2 and no "
-                    f"static tree; got {dynamic} with {depth} heads"
-                )
+            if tree is not None:
+                raise ValueError(f"dynamic={dynamic} grows its own tree: pass it or a static tree, not both")
+            check_dynamic_budget(top_k, depth, num_nodes, vocab=config.vocab_size,
+                                 names=("dynamic top_k", "heads", "num_nodes"))  # fmt: skip
         self.dynamic = self._max_dynamic = dynamic
         self.has_budget = dynamic is not None
         lm_head = target_model.get_output_embeddings()

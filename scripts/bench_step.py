@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 import treespec
-from treespec.proposers.base import Proposer
+from treespec.proposers.base import Proposer, WrappingProposer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROPOSERS = ("ngram", "draft", "medusa", "eagle")
@@ -174,41 +174,24 @@ def hf_forward_ms(model, batch: int, config: StepBenchConfig) -> dict[int, float
 # --------------------------------------------------------------------------------------------
 
 
-class TimedProposer(Proposer):
-    """Wraps a proposer, timing each ``propose`` call and counting the nodes it drafted; every
-    other call and attribute goes to the wrapped proposer unchanged."""
+class TimedProposer(WrappingProposer):
+    """Wraps a proposer, timing each ``propose`` call and counting the nodes it drafted; its
+    capabilities and every other call are the wrapped proposer's."""
 
-    CAPABILITIES = ("sampled_children", "max_tree_nodes", "max_batch_size", "vocab_size",
-                    "needs_hidden", "hidden_layers", "has_budget")  # fmt: skip
-
-    def __init__(self, inner, device: str) -> None:
-        self.inner, self.device = inner, device
-        for name in self.CAPABILITIES:  # instance attributes: class defaults must not hide them
-            if hasattr(inner, name):
-                setattr(self, name, getattr(inner, name))
+    def __init__(self, inner: Proposer, device: str) -> None:
+        super().__init__(inner)
+        self.device = device
         self.seconds: list[float] = []  # per call
         self.drafted: list[float] = []  # per call: drafted nodes per request, the roots not counted
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
 
     def propose(self, requests):
         synchronize(self.device)
         start = time.perf_counter()
-        tree = self.inner.propose(requests)
+        tree = self.proposer.propose(requests)
         synchronize(self.device)
         self.seconds.append(time.perf_counter() - start)
         self.drafted.append((tree.tokens.numel() - len(requests)) / len(requests))
         return tree
-
-    def observe(self, *args, **kwargs):
-        return self.inner.observe(*args, **kwargs)
-
-    def observe_prefill(self, *args, **kwargs):
-        return self.inner.observe_prefill(*args, **kwargs)
-
-    def release(self, *args, **kwargs):
-        return self.inner.release(*args, **kwargs)
 
 
 def make_proposer(kind: str, model, head, batch: int, budget: int, config: StepBenchConfig):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -20,22 +21,20 @@ from treespec.proposers import (
     NgramProposer,
     Proposer,
 )
-from treespec.proposers.base import RequestResult
+from treespec.proposers.base import RequestResult, WrappingProposer
 from treespec.tree import TokenTree
 
 
-class Checker(Proposer):
+class Checker(WrappingProposer):
     """Wraps a proposer and checks every step result against the trees it proposed."""
 
     def __init__(self, inner: Proposer):
-        self.inner = inner
-        self.needs_hidden, self.hidden_layers = inner.needs_hidden, inner.hidden_layers
-        self.max_tree_nodes, self.max_batch_size = inner.max_tree_nodes, inner.max_batch_size
+        super().__init__(inner)
         self.trees: dict[int, tuple[list[int], list[int]]] = {}
         self.results = []
 
     def propose(self, requests):
-        tree = self.inner.propose(requests)
+        tree = self.proposer.propose(requests)
         cu = tree.cu_nodes.tolist()
         for b, r in enumerate(requests):
             self.trees[r.request_id] = (
@@ -59,13 +58,7 @@ class Checker(Proposer):
             assert r.committed[: len(drafted)] == drafted[: len(r.committed)]
             assert r.hidden is None or r.hidden.shape[0] == len(r.committed)
             self.results.append(r)
-        self.inner.observe(result)
-
-    def observe_prefill(self, request_id, tokens, hidden):
-        self.inner.observe_prefill(request_id, tokens, hidden)
-
-    def release(self, request_id):
-        self.inner.release(request_id)
+        self.proposer.observe(result)
 
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [20, 21, 22], [9, 9, 9, 9, 9, 9]]
@@ -253,3 +246,28 @@ def test_pinning_a_prefix_is_refused_clearly():
         Engine(Target(model), max_len=32).pin_prefix(list(range(40)))
     with pytest.raises(ValueError, match="empty prompt"):
         Engine(Target(model), max_len=32).pin_prefix([])
+
+
+def test_a_wrapper_declares_what_the_wrapped_proposer_declares_without_copying():
+    """Capabilities read through a WrappingProposer (and the adaptive budget) to the wrapped
+    proposer: a budget that changes the wrapped one's tree size shows through at once; the
+    adaptive budget declares no settable budget of its own and refuses set_budget."""
+    from test_eagle import random_head
+
+    from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
+    from treespec.proposers import EagleProposer
+    from treespec.proposers.base import CAPABILITIES, Capabilities
+
+    model = build("llama")
+    eagle = EagleProposer(random_head(model), model, top_k=2, depth=3, total_tokens=6, max_batch_size=3)
+    checker = Checker(eagle)
+    assert checker.capabilities == eagle.capabilities
+    assert eagle.capabilities == Capabilities(**{name: getattr(eagle, name) for name in CAPABILITIES})
+    adaptive = AdaptiveProposer(eagle, BudgetChooser(CostModel([1, 8], [1.0, 1.0])))
+    assert adaptive.capabilities == dataclasses.replace(eagle.capabilities, has_budget=False)
+    eagle.max_tree_nodes = 4  # the wrapped one changes: nothing was copied
+    assert checker.max_tree_nodes == adaptive.max_tree_nodes == 4
+    with pytest.raises(TypeError, match="no settable budget"):
+        adaptive.set_budget(3, 2)
+    with pytest.raises(TypeError, match="expected a Proposer"):
+        Checker(object())

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from treespec.proposers.base import ProposalRequest, Proposer, StepResult
+from treespec.proposers.base import ProposalRequest, Proposer, StepResult, WrappingProposer
 from treespec.target import Target
 from treespec.tree import TokenTree, best_paths
 
@@ -248,8 +248,12 @@ class StepThroughput:
         return len(self.plain) >= 2 and len(self.tree) >= 4 and self.rate(self.tree) < self.rate(self.plain)
 
 
-class AdaptiveProposer(Proposer):
-    """A proposer whose tree size is chosen every step by a :class:`BudgetChooser`."""
+class AdaptiveProposer(WrappingProposer):
+    """A proposer whose tree size is chosen every step by a :class:`BudgetChooser`. It declares
+    what the wrapped proposer declares, but for ``has_budget``: it sets the size itself."""
+
+    has_budget = False
+    set_budget = Proposer.set_budget  # refused: the chooser sets the wrapped proposer's budget
 
     def __init__(
         self,
@@ -279,16 +283,9 @@ class AdaptiveProposer(Proposer):
             raise TypeError(
                 f"{type(proposer).__name__} has no settable budget (has_budget is False, no set_budget): its tree size is fixed"
             )
-        self.proposer = proposer
+        super().__init__(proposer)
         self.chooser = chooser
         self.stats = stats or AcceptanceStats()
-        # What the wrapped proposer declares, it declares.
-        self.sampled_children = proposer.sampled_children
-        self.max_tree_nodes = proposer.max_tree_nodes
-        self.max_batch_size = proposer.max_batch_size
-        self.vocab_size = proposer.vocab_size
-        self.needs_hidden = proposer.needs_hidden
-        self.hidden_layers = proposer.hidden_layers
         self.probe_every = probe_every
         self.clock = clock
         self.throughput = throughput if throughput is not None else StepThroughput()
@@ -392,9 +389,3 @@ class AdaptiveProposer(Proposer):
             self.stats.update(request.tree_tokens, request.tree_parents, request.accepted)
             self._step_tokens += len(request.committed)
         self.proposer.observe(result)
-
-    def observe_prefill(self, request_id: int, tokens: list[int], hidden: torch.Tensor) -> None:
-        self.proposer.observe_prefill(request_id, tokens, hidden)
-
-    def release(self, request_id: int) -> None:
-        self.proposer.release(request_id)

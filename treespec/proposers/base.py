@@ -25,13 +25,17 @@ engine and the wrappers read attributes and never probe for them:
                       (EAGLE-3's low, middle and high layers).
     has_budget        True: ``set_budget(num_nodes, depth)`` sizes the next trees (the adaptive
                       budget of ``treespec.budget`` drives it).
+
+:class:`Capabilities` holds them as one frozen value (``proposer.capabilities``), and a proposer
+that wraps another (:class:`WrappingProposer`: the adaptive budget, a benchmark's timer) reads
+each one through from the wrapped proposer instead of copying it.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -94,6 +98,22 @@ class StepResult:
     requests: list[RequestResult]
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a proposer declares (module docstring), as one value."""
+
+    sampled_children: bool = False
+    max_tree_nodes: int = 1
+    max_batch_size: int | None = None
+    vocab_size: int | None = None
+    needs_hidden: bool = False
+    hidden_layers: tuple[int, ...] = ()
+    has_budget: bool = False
+
+
+CAPABILITIES = tuple(f.name for f in fields(Capabilities))
+
+
 class Proposer(abc.ABC):
     """What the engine calls. Small strategy objects: one file per proposer.
 
@@ -132,6 +152,52 @@ class Proposer(abc.ABC):
         """Draft at most ``num_nodes`` nodes (root excluded), ``depth`` deep, from the next step on.
         Only for proposers with ``has_budget``."""
         raise TypeError(f"{type(self).__name__} has no settable budget: its tree size is fixed")
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """This proposer's declarations now (a budget may change ``max_tree_nodes``)."""
+        return Capabilities(**{name: getattr(self, name) for name in CAPABILITIES})
+
+
+def _read_through(name: str) -> property:
+    return property(lambda self: getattr(self.proposer, name), doc=f"the wrapped proposer's {name}")
+
+
+class WrappingProposer(Proposer):
+    """A proposer around another (``self.proposer``) that declares what the wrapped one declares:
+    each capability reads through to it, so nothing is copied and nothing goes stale. A wrapper
+    that changes one (the adaptive budget sets the size itself: ``has_budget`` is False) sets
+    that one on its class. Every call a wrapper does not override goes to the wrapped proposer."""
+
+    proposer: Proposer
+
+    def __init__(self, proposer: Proposer) -> None:
+        if not isinstance(proposer, Proposer):
+            raise TypeError(f"expected a Proposer to wrap, got {type(proposer).__name__}")
+        self.proposer = proposer
+
+    sampled_children = _read_through("sampled_children")
+    max_tree_nodes = _read_through("max_tree_nodes")
+    max_batch_size = _read_through("max_batch_size")
+    vocab_size = _read_through("vocab_size")
+    needs_hidden = _read_through("needs_hidden")
+    hidden_layers = _read_through("hidden_layers")
+    has_budget = _read_through("has_budget")
+
+    def propose(self, requests: list[ProposalRequest]) -> TokenTree:
+        return self.proposer.propose(requests)
+
+    def observe(self, result: StepResult) -> None:
+        self.proposer.observe(result)
+
+    def observe_prefill(self, request_id: int, tokens: list[int], hidden: torch.Tensor) -> None:
+        self.proposer.observe_prefill(request_id, tokens, hidden)
+
+    def release(self, request_id: int) -> None:
+        self.proposer.release(request_id)
+
+    def set_budget(self, num_nodes: int, depth: int) -> None:
+        self.proposer.set_budget(num_nodes, depth)
 
 
 def reduced_rows(

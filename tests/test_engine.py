@@ -176,7 +176,8 @@ def test_typical_acceptance_is_reachable_from_sampling_params():
     engine = Engine(Target(model), proposer=DraftModelProposer(model, dynamic=(1, 3, 3)),
                     generator=torch.Generator().manual_seed(0))  # fmt: skip
     assert (
-        engine._mode(params) == "typical" and engine._mode(SamplingParams(temperature=1.0)) == "deterministic"
+        engine.picker.mode(params) == "typical"
+        and engine.picker.mode(SamplingParams(temperature=1.0)) == "deterministic"
     )
     rid = engine.add_request(PROMPTS[0], max_new_tokens=13, sampling=params)
     while engine.has_unfinished():

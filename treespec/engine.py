@@ -15,16 +15,18 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from treespec.processors import RowContexts, process, tree_paths
+from treespec.picking import TokenPicker
+from treespec.proposal_check import check_proposal, locate_problem
 from treespec.proposers.base import ProposalRequest, Proposer, RequestResult, StepResult
-from treespec.sampling import SamplingParams, argmax, logits_to_probs, next_tokens, sample_from_uniforms
+from treespec.requests import EngineStats, Request, RequestOutput
+from treespec.sampling import SamplingParams
+from treespec.step_batch import StepBatch, StepReadback
 from treespec.target import Target
-from treespec.tree import TokenTree, chain_mask, host_structure
-from treespec.verify import MEDUSA_TYPICAL, parse_readback, verify
+from treespec.tree import TokenTree
+from treespec.verify import parse_readback
 
 TOKENIZE_HINT = (
     "tokenize first, with the chat template for a chat model: "
@@ -32,65 +34,6 @@ TOKENIZE_HINT = (
 )
 
 DEFAULT_MAX_LEN = 2048
-
-
-@dataclass
-class Request:
-    """One generation request and its progress."""
-
-    request_id: int
-    prompt: list[int]
-    max_new_tokens: int
-    eos_token_ids: frozenset[int]
-    sampling: SamplingParams
-    slot: int = -1  # cache row while running
-    num_prefilled: int = 0  # prompt tokens whose K/V is cached
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos", "length" or "stop"
-    generator: torch.Generator | None = None  # its own, when its sampling has a seed
-    stop: Callable[[list[int]], bool] | None = None  # prompt + output -> finished?
-
-    @property
-    def prefilling(self) -> bool:
-        return self.num_prefilled < len(self.prompt)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """Tokens a request produced in one step."""
-
-    request_id: int
-    new_tokens: list[int]
-    finished: bool
-    finish_reason: str | None
-
-
-@dataclass
-class EngineStats:
-    """Counts and timings accumulated over the engine's life."""
-
-    steps: int = 0
-    prompt_tokens: int = 0
-    reused_prompt_tokens: int = 0  # prompt tokens whose K/V came from a pinned prefix, not a forward
-    new_tokens: int = 0
-    propose_s: float = 0.0  # time the proposer took
-    forward_s: float = 0.0  # scoring: target forwards (includes the host syncs they end with)
-    verify_s: float = 0.0  # verification (or plain sampling without a proposer)
-    commit_s: float = 0.0  # KV cache compaction of the accepted paths
-    step_s: float = 0.0  # time inside step(), all stages and bookkeeping
-    drafted_nodes: int = 0  # tree nodes proposed beyond the roots, over all decoding steps and requests
-    # Per request id: tokens committed at each decoding step (accepted drafted tokens + the bonus).
-    accepted_lengths: dict[int, list[int]] = field(default_factory=dict)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens committed per decoding step, the bonus included (EAGLE's and vLLM's tau)."""
-        lengths = [n for per_request in self.accepted_lengths.values() for n in per_request]
-        return sum(lengths) / len(lengths) if lengths else 0.0
 
 
 class Engine:
@@ -158,6 +101,7 @@ class Engine:
         self.generator = generator
         self.sampler = sampler
         self.debug = os.environ.get("TREESPEC_DEBUG") == "1" if debug is None else debug
+        self.picker = TokenPicker(proposer, generator, sampler, self.debug)
         self.stats = EngineStats()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -309,13 +253,13 @@ class Engine:
             else out.hidden
         )
         finishing_prefill = [r for r in self._running if r.prefilling and batch.finishes_prefill(r)]
-        logits = self._process(out.logits, finishing_prefill, decoding, trees)
+        logits = self.picker.process(out.logits, finishing_prefill, decoding, trees)
         scored = time.perf_counter()
-        first = self._first_tokens(finishing_prefill, logits[: batch.num_prefill_logits])
-        table = self._verify(decoding, trees, logits[batch.num_prefill_logits :])
+        first = self.picker.first_tokens(finishing_prefill, logits[: batch.num_prefill_logits])
+        table = self.picker.verify_table(decoding, trees, logits[batch.num_prefill_logits :])
         back = self._read_back(first, table, trees, suspect)
         if back.suspect:  # the forward ran on clamped tokens; nothing is committed
-            _locate_problem(trees, self._asks(decoding), self.target.vocab_size, self.max_tree_nodes)
+            locate_problem(trees, self._asks(decoding), self.target.vocab_size, self.max_tree_nodes)
             raise ValueError("proposer returned a tree that does not match its requests")
         verified = time.perf_counter()
         keep = batch.prefill_accepted | {
@@ -436,108 +380,6 @@ class Engine:
                 ]
         return StepBatch.build(self._running, chunks, trees, self.target.device)
 
-    def _verify(
-        self, decoding: list[Request], trees: TokenTree | None, logits: torch.Tensor
-    ) -> torch.Tensor | None:
-        """The verification table of the decoding requests ([B, 2 (D+1)] on the device, see
-        :meth:`VerifyOutput.readback_table`), None without decoding requests."""
-        if trees is None:
-            return None
-        roots_only = trees.num_nodes == len(decoding) and all(r.sampling.greedy for r in decoding)
-        if self.proposer is None or roots_only:  # plain decoding: the next token the way HF picks it
-            tokens = self._first_tokens(decoding, logits)  # (greedy roots only: what the tree sampler picks)
-            return torch.stack([torch.zeros_like(tokens), tokens], 1)
-        table = None
-        for params, members in _group_by_sampling(decoding).items():
-            sub_tree = trees.select(members)
-            sub_logits = (
-                logits
-                if sub_tree is trees
-                else logits[torch.tensor(trees.node_rows(members)).to(logits.device)]
-            )
-            eps, delta = params.typical_acceptance or MEDUSA_TYPICAL  # read only in typical mode
-            uniforms = None
-            if not params.greedy and params.seed is not None:  # each request draws from its own stream
-                uniforms = torch.cat([
-                    torch.rand(n, 2, generator=decoding[m].generator, device=logits.device)
-                    for m, n in zip(members, sub_tree.sizes(), strict=True)
-                ])  # fmt: skip
-            result = verify(
-                sub_tree, sub_logits, params, mode=self._mode(params), generator=self.generator,
-                uniforms=uniforms, check=self.debug, typical_eps=eps, typical_delta=delta,
-            )  # fmt: skip
-            rows = result.readback_table(sub_tree)
-            if table is None:
-                if len(members) == len(decoding):
-                    return rows
-                table = rows.new_full((len(decoding), rows.shape[1]), -1)
-            table[torch.tensor(members, device=table.device)] = rows
-        return table
-
-    def _process(
-        self, logits: torch.Tensor, finishing: list[Request], decoding: list[Request], trees: TokenTree | None
-    ) -> torch.Tensor:
-        """The logits rows after each request's processors (``treespec.processors``): a prompt's
-        last row sees the prompt, a tree node the committed sequence and its own path (read from
-        the device first when drafted there: one more host sync, in steps with processors only)."""
-        requests = finishing + decoding
-        if not any(r.sampling.has_processors for r in requests):
-            return logits
-        row_request, paths = [], []
-        for b in range(len(finishing)):
-            row_request.append(b)
-            paths.append([])
-        structure = host_structure([trees])[0] if trees is not None else ([0], [], [])
-        cu, flat_tokens, flat_parents = structure
-        tree_lists = [(flat_tokens[i:j], flat_parents[i:j]) for i, j in itertools.pairwise(cu)]
-        for k, (tokens, parents) in enumerate(tree_lists):
-            for path in tree_paths(tokens, parents):
-                row_request.append(len(finishing) + k)
-                paths.append(path)
-        rows = RowContexts(
-            [r.prompt + r.output for r in requests], [len(r.prompt) for r in requests],
-            [r.sampling for r in requests], [r.eos_token_ids for r in requests], row_request, paths,
-        )  # fmt: skip
-        return process(logits, rows)
-
-    def _mode(self, params: SamplingParams) -> str:
-        """The verification rule: greedy at temperature 0; above it typical acceptance when the
-        request asks for it (lossy), else the lossless rule for how the proposer drew children."""
-        if params.greedy:
-            return "greedy"
-        if params.typical_acceptance is not None:
-            return "typical"
-        return "sampled" if self.proposer.sampled_children else "deterministic"
-
-    def _first_tokens(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """One token per request from its logits row, [N] on the device: greedy, or sampled by
-        the engine's sampler."""
-        if all(r.sampling.greedy for r in requests):
-            return argmax(logits)
-        if self.sampler == "inverse-cdf":
-            return self._first_tokens_inverse_cdf(requests, logits)
-        return torch.cat([
-            next_tokens(logits[i : i + 1], r.sampling, r.generator or self.generator).view(1)
-            for i, r in enumerate(requests)
-        ])  # fmt: skip
-
-    def _first_tokens_inverse_cdf(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """Every row's distribution at once per sampling group, then one uniform per row from its
-        request's stream (or the engine's, in row order) and the inverse CDF."""
-        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        for params, members in _group_by_sampling(requests).items():
-            rows = logits[members]
-            if params.greedy:
-                picked = argmax(rows)
-            else:
-                uniforms = torch.cat([
-                    torch.rand(1, generator=requests[m].generator or self.generator, device=logits.device)
-                    for m in members
-                ])  # fmt: skip
-                picked = sample_from_uniforms(logits_to_probs(rows, params), uniforms)
-            tokens[members] = picked
-        return tokens
-
     def _hand_over_prefill(self, hidden: torch.Tensor, batch: StepBatch) -> None:
         """Give the proposer each prefill chunk's (hidden state, next token) pairs as they come.
 
@@ -625,186 +467,3 @@ class Engine:
                 if self.proposer is not None:
                     self.proposer.release(request.request_id)
         self._running = [r for r in self._running if not r.finished]
-
-
-@dataclass
-class StepBatch:
-    """One step's flattened rows, on the model's device. Requests appear in running order;
-    logits rows are ordered prefill-final rows first, then all tree nodes (so the verifier's
-    logits are one slice). Laid out on the host from the prompts and the trees' host sizes:
-    building it reads nothing from the device.
-
-    Shapes (T rows, B requests):
-        tokens [T], depth [T], tree_mask [T, W] int32 or None (all chains: causal), logit_rows [R]
-    """
-
-    tokens: torch.Tensor
-    depth: torch.Tensor
-    tree_mask: torch.Tensor | None
-    logit_rows: torch.Tensor
-    num_prefill_logits: int
-    cu: list[int]  # [B+1] request b owns rows cu[b]:cu[b+1] (host)
-    chunk_len: dict[int, int]  # prefill tokens carried per request id
-    prefill_accepted: dict[int, range]  # per request id, what the cache keeps of its chunk: all of it
-    final_chunk: set[int]  # request ids whose chunk ends their prompt
-
-    def finishes_prefill(self, request: Request) -> bool:
-        return request.request_id in self.final_chunk
-
-    @classmethod
-    def build(
-        cls,
-        running: list[Request],
-        chunks: dict[int, list[int]],
-        trees: TokenTree | None,
-        device: torch.device,
-    ) -> StepBatch:
-        tree_sizes = trees.sizes() if trees is not None else []  # the host's, from the proposer
-        tree_cu = trees.cu_list() if trees is not None else [0]
-        prompt_tokens, prompt_depth, pieces = [], [], []  # pieces: (kind, start, stop) in running order
-        prefill_rows, tree_rows, final, accepted, cu = [], [], set(), {}, [0]
-        b = 0
-        for request in running:
-            start = cu[-1]
-            if request.request_id in chunks:
-                chunk = chunks[request.request_id]
-                pieces.append(("prompt", len(prompt_tokens), len(prompt_tokens) + len(chunk)))
-                prompt_tokens += chunk
-                prompt_depth += range(len(chunk))
-                accepted[request.request_id] = range(len(chunk))
-                if request.num_prefilled + len(chunk) == len(request.prompt):
-                    final.add(request.request_id)
-                    prefill_rows.append(start + len(chunk) - 1)
-                cu.append(start + len(chunk))
-            else:
-                pieces.append(("tree", tree_cu[b], tree_cu[b + 1]))
-                tree_rows += range(start, start + tree_sizes[b])
-                cu.append(start + tree_sizes[b])
-                b += 1
-        logit_rows = prefill_rows + tree_rows
-        # The step's host data reaches the device in one copy: prompt tokens, their depths, logit rows.
-        host = torch.tensor(prompt_tokens + prompt_depth + logit_rows, dtype=torch.long).to(device)
-        prompt_t, prompt_d, rows_t = host.split([len(prompt_tokens), len(prompt_depth), len(logit_rows)])
-        if not prompt_tokens:  # decoding only: the trees are the step
-            tokens, depth = trees.tokens, trees.depth
-            mask = trees.tree_mask if max(tree_sizes, default=1) > 1 else None
-        else:
-            sources = {"prompt": (prompt_t, prompt_d), "tree": (trees.tokens, trees.depth) if trees else None}
-            tokens = torch.cat([sources[kind][0][i:j] for kind, i, j in pieces])
-            depth = torch.cat([sources[kind][1][i:j] for kind, i, j in pieces])
-            mask = None
-            if trees is not None and max(tree_sizes, default=1) > 1:
-                masks = [
-                    chain_mask(j - i, device) if kind == "prompt" else trees.tree_mask[i:j]
-                    for kind, i, j in pieces
-                ]
-                width = max(m.shape[1] for m in masks)
-                mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
-        return cls(
-            tokens,
-            depth,
-            mask,
-            rows_t,
-            len(prefill_rows),
-            cu,
-            {r: len(c) for r, c in chunks.items()},
-            accepted,
-            final,
-        )
-
-
-@dataclass(frozen=True)
-class StepReadback:
-    """What the host learns from the step's one read (:meth:`Engine._read_back`), per request:
-    the prompts' first tokens; each decoding request's kept node indices (root first) and
-    committed tokens; its tree's tokens and parents; and whether the proposal check failed."""
-
-    first_tokens: list[int]
-    accepted: list[list[int]]
-    committed: list[list[int]]
-    tree_lists: list[tuple[list[int], list[int]]]
-    suspect: bool
-
-
-def check_proposal(
-    tree: TokenTree, asks: list[ProposalRequest], vocab_size: int, max_nodes: int, *, full: bool = False
-) -> torch.Tensor | None:
-    """A proposer's tree must match the requests: clear errors naming the request and node.
-
-    Cheap by default: shapes and the host's sizes, then one tensor test of every request's root
-    and tokens, returned unread (a 0-d bool on the device, True when something is wrong): the
-    engine reads it with the step's one read and then locates the problem on the host
-    (:func:`_locate_problem`). ``full`` reads it at once and also runs ``TokenTree.validate``
-    (structure, depths, bitmask: host-side, for tests and debugging); it returns None.
-    """
-    if not isinstance(tree, TokenTree):
-        raise TypeError(f"proposer returned {type(tree).__name__}, expected a TokenTree")
-    if tree.num_requests != len(asks):
-        raise ValueError(f"proposer returned {tree.num_requests} trees for {len(asks)} requests")
-    num_nodes = tree.num_nodes
-    for name in ("parents", "depth", "tree_mask"):
-        if getattr(tree, name).shape[0] != num_nodes:
-            raise ValueError(
-                f"proposer's tree.{name} has {getattr(tree, name).shape[0]} rows for {num_nodes} nodes"
-            )
-    host_sizes = tree.sizes()  # the builder's, on the host (a host sync only for a tree without them)
-    if (
-        len(host_sizes) != len(asks)
-        or sum(host_sizes) != num_nodes
-        or min(host_sizes, default=1) < 1
-        or max(host_sizes, default=1) > max_nodes
-    ):
-        _locate_problem(tree, asks, vocab_size, max_nodes)
-        raise ValueError(f"proposer returned trees of {host_sizes} nodes for {len(asks)} requests")
-    device = tree.tokens.device
-    roots = torch.tensor([ask.tokens[-1] for ask in asks]).to(device)
-    starts = torch.tensor(tree.cu_list()[:-1]).to(device)
-    bad_token = ((tree.tokens < 0) | (tree.tokens >= vocab_size)).any()
-    suspect = (tree.tokens[starts] != roots).any() | bad_token | (tree.cu_nodes[:-1] != starts).any()
-    if not full:
-        return suspect
-    if bool(suspect):
-        _locate_problem(tree, asks, vocab_size, max_nodes)
-    try:
-        tree.validate()
-    except ValueError as err:
-        raise ValueError(f"proposer returned a malformed tree: {err}") from None
-    return None
-
-
-def _locate_problem(tree: TokenTree, asks: list[ProposalRequest], vocab_size: int, max_nodes: int) -> None:
-    """Name the first request whose tree is wrong, and how (host-side, reading the device)."""
-    sizes = (tree.cu_nodes[1:] - tree.cu_nodes[:-1]).tolist()
-    if tree.host is not None and list(tree.host.sizes) != sizes:
-        raise ValueError(
-            f"proposer returned a tree whose host sizes {list(tree.host.sizes)} disagree with cu_nodes {tree.cu_nodes.tolist()}"
-        )
-    starts = tree.cu_nodes[:-1].tolist()
-    if min(sizes) < 1 or starts[0] != 0 or starts[-1] + sizes[-1] != tree.num_nodes:
-        raise ValueError(
-            f"proposer returned cu_nodes {tree.cu_nodes.tolist()} for {tree.num_nodes} nodes: every tree "
-            "needs at least its root, back to back from 0"
-        )
-    tokens = tree.tokens.tolist()
-    for b, ask in enumerate(asks):
-        if tokens[starts[b]] != ask.tokens[-1]:
-            raise ValueError(
-                f"proposer's tree for request {ask.request_id}: node 0 is token {tokens[starts[b]]}, "
-                f"but the root must be the last committed token {ask.tokens[-1]}"
-            )
-        if sizes[b] > max_nodes:
-            raise ValueError(
-                f"proposer's tree for request {ask.request_id} has {sizes[b]} nodes > its max_tree_nodes={max_nodes}"
-            )
-        bad = [i for i in range(sizes[b]) if not 0 <= tokens[starts[b] + i] < vocab_size]
-        if bad:
-            raise ValueError(
-                f"proposer's tree for request {ask.request_id}: node {bad[0]} has a token outside the vocabulary"
-            )
-
-
-def _group_by_sampling(requests: list[Request]) -> dict[SamplingParams, list[int]]:
-    groups: dict[SamplingParams, list[int]] = {}
-    for i, request in enumerate(requests):
-        groups.setdefault(request.sampling, []).append(i)
-    return groups

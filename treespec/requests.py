@@ -1,0 +1,69 @@
+"""A request's state in the engine, what a step emits for it, and the engine's running counts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from treespec.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    """One generation request and its progress."""
+
+    request_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    sampling: SamplingParams
+    slot: int = -1  # cache row while running
+    num_prefilled: int = 0  # prompt tokens whose K/V is cached
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos", "length" or "stop"
+    generator: torch.Generator | None = None  # its own, when its sampling has a seed
+    stop: Callable[[list[int]], bool] | None = None  # prompt + output -> finished?
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_prefilled < len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Tokens a request produced in one step."""
+
+    request_id: int
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class EngineStats:
+    """Counts and timings accumulated over the engine's life."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0  # prompt tokens whose K/V came from a pinned prefix, not a forward
+    new_tokens: int = 0
+    propose_s: float = 0.0  # time the proposer took
+    forward_s: float = 0.0  # scoring: target forwards (includes the host syncs they end with)
+    verify_s: float = 0.0  # verification (or plain sampling without a proposer)
+    commit_s: float = 0.0  # KV cache compaction of the accepted paths
+    step_s: float = 0.0  # time inside step(), all stages and bookkeeping
+    drafted_nodes: int = 0  # tree nodes proposed beyond the roots, over all decoding steps and requests
+    # Per request id: tokens committed at each decoding step (accepted drafted tokens + the bonus).
+    accepted_lengths: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per decoding step, the bonus included (EAGLE's and vLLM's tau)."""
+        lengths = [n for per_request in self.accepted_lengths.values() for n in per_request]
+        return sum(lengths) / len(lengths) if lengths else 0.0

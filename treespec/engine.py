@@ -240,6 +240,27 @@ class Engine:
         trees, suspect = self._propose(decoding)
         proposed = time.perf_counter()
         batch = self._build_step(trees)
+        finishing = [r for r in self._running if r.prefilling and batch.finishes_prefill(r)]
+        logits, features = self._score(batch, trees, suspect, finishing, decoding)
+        scored = time.perf_counter()
+        back = self._verify(batch, logits, trees, suspect, finishing, decoding)
+        verified = time.perf_counter()
+        self._commit(batch, decoding, back)
+        committed = time.perf_counter()
+        outputs = self._advance(batch, features, finishing, decoding, back)
+        self._count_step((start, proposed, scored, verified, committed, time.perf_counter()))
+        return outputs
+
+    def _score(
+        self,
+        batch: StepBatch,
+        trees: TokenTree | None,
+        suspect: torch.Tensor | None,
+        finishing: list[Request],
+        decoding: list[Request],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's forward over the step's rows: (logits after the processors, the
+        features the proposer reads, or None)."""
         # A token outside the vocabulary is reported after the read; the forward must not index with it.
         tokens = batch.tokens if suspect is None else batch.tokens.clamp(0, self.target.vocab_size - 1)
         out = self.target.forward(
@@ -252,49 +273,74 @@ class Engine:
             if self.feature_layers
             else out.hidden
         )
-        finishing_prefill = [r for r in self._running if r.prefilling and batch.finishes_prefill(r)]
-        logits = self.picker.process(out.logits, finishing_prefill, decoding, trees)
-        scored = time.perf_counter()
-        first = self.picker.first_tokens(finishing_prefill, logits[: batch.num_prefill_logits])
+        return self.picker.process(out.logits, finishing, decoding, trees), features
+
+    def _verify(
+        self,
+        batch: StepBatch,
+        logits: torch.Tensor,
+        trees: TokenTree | None,
+        suspect: torch.Tensor | None,
+        finishing: list[Request],
+        decoding: list[Request],
+    ) -> StepReadback:
+        """The prompts' first tokens and the trees' verification, read back in the step's one
+        read; a proposal that failed its check raises here, before anything is committed."""
+        first = self.picker.first_tokens(finishing, logits[: batch.num_prefill_logits])
         table = self.picker.verify_table(decoding, trees, logits[batch.num_prefill_logits :])
         back = self._read_back(first, table, trees, suspect)
         if back.suspect:  # the forward ran on clamped tokens; nothing is committed
             locate_problem(trees, self._asks(decoding), self.target.vocab_size, self.max_tree_nodes)
             raise ValueError("proposer returned a tree that does not match its requests")
-        verified = time.perf_counter()
+        return back
+
+    def _commit(self, batch: StepBatch, decoding: list[Request], back: StepReadback) -> None:
+        """Keep in the cache every prefill chunk whole and each tree's accepted path."""
         keep = batch.prefill_accepted | {
             r.request_id: nodes for r, nodes in zip(decoding, back.accepted, strict=True)
         }
         self.cache.commit([r.slot for r in self._running], [keep[r.request_id] for r in self._running])
-        committed_at = time.perf_counter()
+
+    def _advance(
+        self,
+        batch: StepBatch,
+        features: torch.Tensor | None,
+        finishing: list[Request],
+        decoding: list[Request],
+        back: StepReadback,
+    ) -> list[RequestOutput]:
+        """Move every request on by what the step committed, tell the proposer, retire the
+        finished requests; the step's outputs."""
         if self.wants_hidden:
             self._hand_over_prefill(features, batch)
         for request in self._running:
             if request.prefilling:
                 request.num_prefilled += batch.chunk_len[request.request_id]
         prefill_hidden, decode_hidden = self._hidden_for_proposer(
-            features, batch, finishing_prefill, decoding, back.accepted
+            features, batch, finishing, decoding, back.accepted
         )
         # The prompt's last token acts as a root-alone tree: its row produced the first token.
-        prefill_trees = [([r.prompt[-1]], [-1]) for r in finishing_prefill]
+        prefill_trees = [([r.prompt[-1]], [-1]) for r in finishing]
         outputs, results = self._emit(
-            finishing_prefill, prefill_trees, [[0]] * len(finishing_prefill),
-            [[t] for t in back.first_tokens], prefill_hidden,
-        )  # fmt: skip
+            finishing, prefill_trees, [[0]] * len(finishing), [[t] for t in back.first_tokens], prefill_hidden
+        )
         decoded, decode_results = self._emit(
             decoding, back.tree_lists, back.accepted, back.committed, decode_hidden, decode=True
         )
-        outputs += decoded
         if self.proposer is not None and (results or decode_results):
             self.proposer.observe(StepResult(results + decode_results))
         self._retire()
+        return outputs + decoded
+
+    def _count_step(self, times: tuple[float, ...]) -> None:
+        """Add one step's stage times: (start, proposed, scored, verified, committed, end)."""
+        start, proposed, scored, verified, committed, end = times
         self.stats.steps += 1
         self.stats.propose_s += proposed - start
         self.stats.forward_s += scored - proposed
         self.stats.verify_s += verified - scored
-        self.stats.commit_s += committed_at - verified
-        self.stats.step_s += time.perf_counter() - start
-        return outputs
+        self.stats.commit_s += committed - verified
+        self.stats.step_s += end - start
 
     def _read_back(
         self,

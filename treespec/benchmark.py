@@ -174,7 +174,7 @@ class Components:
     def proposer(self, method: str):
         """A fresh proposer for one run of ``method`` (None for the autoregressive reference).
         Fresh, not kept across prompts: kept, the heads' acceptance learned on earlier prompts
-        chose larger trees that lost (docs/benchmark.md). What the machine taught (the cost curve,
+        chose larger trees that lost (docs/results/). What the machine taught (the cost curve,
         and per method the measured rates of steps with and without a tree) is kept."""
         batch = self.config.batch_size
         if method == "none":

@@ -2,7 +2,7 @@
 
 Through the model's own modules a single-token step of a 30-layer model is ~4,900 PyTorch
 operators, and on a CPU their dispatch and Python cost as much as reading the weights
-(docs/benchmark.md). ``treespec_decoder_bf16`` (:mod:`treespec.kernels.cpu_kernels`) runs every
+(docs/results/). ``treespec_decoder_bf16`` (:mod:`treespec.kernels.cpu_kernels`) runs every
 layer (RMSNorm, q/k/v, rotary, tree attention, o-proj, residual, RMSNorm, gate/up, SiLU x up,
 down, residual) and the final norm in one OpenMP region, over the same weight tensors as the
 model (nothing is copied). What stays in Python per step is the embedding lookup, the rotary

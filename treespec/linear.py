@@ -7,7 +7,7 @@ slower still. The same product against an fp32 copy of the weight stored column-
 (``x @ W^T`` with ``W^T`` contiguous) costs little more for 8 rows than for 1, which is what
 made a tree cheap to verify on the AVX-512 machine of earlier measurements (SmolLM2-135M bf16: 8
 new tokens cost 1.7x a single-token step this way, 2.5-2.8x natively). On the AVX2 machine it
-loses at 2-8 rows (``docs/benchmark.md``).
+loses at 2-8 rows (``docs/results/2026-12-01-cpu-kernels-and-batch-invariance.md``).
 
 Nothing here changes the user's model. :func:`module_view` builds a *view*: a structural copy of
 a module tree whose modules are new objects sharing the original's parameters and buffers (the
@@ -29,7 +29,7 @@ On a CPU with AVX2 and FMA, bf16 weights have a better road: treespec's own kern
 model there) reads the bf16 weight once for all rows of a step, widens it in registers and
 accumulates in fp32, with no copy at all. Measured on an AVX2 machine (SmolLM2-135M, one step
 in place), a single row costs what PyTorch's bf16 kernel costs and 8 rows cost 1.6-1.9x one row,
-where PyTorch's bf16 kernel costs 3.4-4x and an fp32 copy 3.9x (``docs/benchmark.md``). Every
+where PyTorch's bf16 kernel costs 3.4-4x and an fp32 copy 3.9x (``docs/results/2026-12-01-cpu-kernels-and-batch-invariance.md``). Every
 row gets the same bits whether it is scored alone or among others, which with the CPU attention
 kernel makes a Target batch-invariant (``docs/architecture.md``). Layers that read the same input
 (q/k/v, gate/up) run as one call.

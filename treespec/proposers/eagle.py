@@ -78,7 +78,7 @@ class EagleProposer(Proposer):
         own, ``d2t``, when it was trained with one): every level's
         read-out costs that fraction of the full one, and a token outside it is never drafted
         (the output is the target's either way). ``range(n)`` takes the first n ids, which a BPE
-        tokenizer numbers roughly by frequency (docs/benchmark.md measures what they cover). The
+        tokenizer numbers roughly by frequency (docs/results/ measures what they cover). The
         rows are copied once (n x hidden values)."""
         config = head.config
         target_config = target_model.config.get_text_config()

@@ -10,7 +10,6 @@ Names: a *request id* is the engine's handle for a request; a *slot* is a cache 
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections import deque
@@ -18,15 +17,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from treespec.handover import HiddenHandover, committed_features
 from treespec.picking import TokenPicker
 from treespec.proposal_check import check_proposal, locate_problem
 from treespec.proposers.base import ProposalRequest, Proposer, RequestResult, StepResult
 from treespec.requests import EngineStats, Request, RequestOutput
 from treespec.sampling import SamplingParams
-from treespec.step_batch import StepBatch, StepReadback
+from treespec.step_batch import StepBatch, StepReadback, read_back
 from treespec.target import Target
 from treespec.tree import TokenTree
-from treespec.verify import parse_readback
 
 TOKENIZE_HINT = (
     "tokenize first, with the chat template for a chat model: "
@@ -90,7 +89,7 @@ class Engine:
         # Features a head reads: the final hidden state, or the concatenated inputs of the layers
         # it names (EAGLE-3's low, middle and high layers).
         self.feature_layers = proposer.hidden_layers if self.wants_hidden else ()
-        self._carry: dict[int, torch.Tensor] = {}  # request id -> last hidden state of its latest chunk
+        self._handover = HiddenHandover(proposer) if self.wants_hidden else None
         # A tree of N nodes is written past the committed prefix before verification: room for it.
         self.max_tree_nodes = proposer.max_tree_nodes if proposer is not None else 1
         capacity = proposer.max_batch_size if proposer is not None else None
@@ -231,7 +230,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One round: propose trees, score everything in one forward, verify, read back, commit,
-        emit. The device is read once, after verification (:meth:`_read_back`)."""
+        emit. The device is read once, after verification (:func:`treespec.step_batch.read_back`)."""
         start = time.perf_counter()
         self._admit()
         if not self._running:
@@ -288,7 +287,7 @@ class Engine:
         read; a proposal that failed its check raises here, before anything is committed."""
         first = self.picker.first_tokens(finishing, logits[: batch.num_prefill_logits])
         table = self.picker.verify_table(decoding, trees, logits[batch.num_prefill_logits :])
-        back = self._read_back(first, table, trees, suspect)
+        back = read_back(first, table, trees, suspect)
         if back.suspect:  # the forward ran on clamped tokens; nothing is committed
             locate_problem(trees, self._asks(decoding), self.target.vocab_size, self.max_tree_nodes)
             raise ValueError("proposer returned a tree that does not match its requests")
@@ -311,14 +310,17 @@ class Engine:
     ) -> list[RequestOutput]:
         """Move every request on by what the step committed, tell the proposer, retire the
         finished requests; the step's outputs."""
-        if self.wants_hidden:
-            self._hand_over_prefill(features, batch)
+        if self._handover is not None:
+            self._handover.prefill(features, batch, self._running)
         for request in self._running:
             if request.prefilling:
                 request.num_prefilled += batch.chunk_len[request.request_id]
-        prefill_hidden, decode_hidden = self._hidden_for_proposer(
-            features, batch, finishing, decoding, back.accepted
-        )
+        prefill_hidden: list = [None] * len(finishing)
+        decode_hidden: list = [None] * len(decoding)
+        if self._handover is not None:
+            prefill_hidden, decode_hidden = committed_features(
+                features, batch, self._running, finishing, decoding, back.accepted
+            )
         # The prompt's last token acts as a root-alone tree: its row produced the first token.
         prefill_trees = [([r.prompt[-1]], [-1]) for r in finishing]
         outputs, results = self._emit(
@@ -341,44 +343,6 @@ class Engine:
         self.stats.verify_s += verified - scored
         self.stats.commit_s += committed - verified
         self.stats.step_s += end - start
-
-    def _read_back(
-        self,
-        first: torch.Tensor,
-        table: torch.Tensor | None,
-        trees: TokenTree | None,
-        suspect: torch.Tensor | None,
-    ) -> StepReadback:
-        """The step's one device-to-host read: the prompts' first tokens, each decoding request's
-        kept nodes and committed tokens (the verification table), the tree structure the host
-        does not know yet (trees drafted on the device), and the proposal check's flag, packed
-        into one tensor. Everything the host does after verification comes from it."""
-        need_structure = trees is not None and (trees.host is None or trees.host.tokens is None)
-        parts = [first.long().flatten()]
-        if table is not None:
-            parts.append(table.flatten())
-        if need_structure:
-            parts += [trees.tokens, trees.parents]
-        parts.append((suspect if suspect is not None else torch.zeros((), dtype=torch.bool)).long().view(1))
-        flat = torch.cat([p.to(first.device) for p in parts]).tolist()  # host sync: the one per step
-        at = len(first)
-        first_tokens = flat[:at]
-        accepted, committed, tree_lists = [], [], []
-        if table is not None:
-            rows, width = table.shape
-            chunk = flat[at : at + rows * width]
-            at += rows * width
-            for nodes, tokens in parse_readback([chunk[i * width : (i + 1) * width] for i in range(rows)]):
-                accepted.append(nodes)
-                committed.append(tokens)
-            cu = trees.cu_list()
-            if need_structure:
-                n = trees.num_nodes
-                tokens, parents = flat[at : at + n], flat[at + n : at + 2 * n]
-            else:
-                tokens, parents = trees.host.tokens, trees.host.parents
-            tree_lists = [(list(tokens[i:j]), list(parents[i:j])) for i, j in itertools.pairwise(cu)]
-        return StepReadback(first_tokens, accepted, committed, tree_lists, bool(flat[-1]))
 
     def _admit(self) -> None:
         while self._waiting and self.cache.num_free and len(self._running) < self.max_running:
@@ -425,41 +389,6 @@ class Engine:
                     request.num_prefilled : request.num_prefilled + size
                 ]
         return StepBatch.build(self._running, chunks, trees, self.target.device)
-
-    def _hand_over_prefill(self, hidden: torch.Tensor, batch: StepBatch) -> None:
-        """Give the proposer each prefill chunk's (hidden state, next token) pairs as they come.
-
-        h_t pairs with x_{t+1}. A chunk's last hidden state waits for the next chunk's first
-        token (carried over the boundary); the prompt's last one pairs with the first generated
-        token, which ``observe`` delivers. So every chunking yields the same pairs in order.
-        """
-        for i, request in enumerate(self._running):
-            if not request.prefilling:
-                continue
-            rows = hidden[batch.cu[i] : batch.cu[i + 1]]
-            tokens = request.prompt[request.num_prefilled : request.num_prefilled + len(rows)]
-            carried = self._carry.pop(request.request_id, None)
-            if carried is None:  # the prompt's first token follows no hidden state
-                pair_tokens, pair_hidden = tokens[1:], rows[:-1]
-            else:
-                pair_tokens, pair_hidden = tokens, torch.cat([carried[None], rows[:-1]])
-            if pair_tokens:
-                self.proposer.observe_prefill(request.request_id, pair_tokens, pair_hidden)
-            if request.request_id not in batch.final_chunk:
-                self._carry[request.request_id] = rows[-1]
-
-    def _hidden_for_proposer(self, hidden, batch, finishing_prefill, decoding, accepted):
-        """Per request, the target's features at each node whose logits produced a committed
-        token: the prompt's last row for the first token; root and accepted nodes after."""
-        if not self.wants_hidden:
-            return [None] * len(finishing_prefill), [None] * len(decoding)
-        rows = {r.request_id: (batch.cu[i], batch.cu[i + 1]) for i, r in enumerate(self._running)}
-        prefill = [hidden[rows[r.request_id][1] - 1 : rows[r.request_id][1]] for r in finishing_prefill]
-        decode = [
-            hidden[[rows[r.request_id][0] + n for n in nodes]]
-            for r, nodes in zip(decoding, accepted, strict=True)
-        ]
-        return prefill, decode
 
     def _emit(
         self,

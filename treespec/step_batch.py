@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from treespec.requests import Request
 from treespec.tree import TokenTree, chain_mask
+from treespec.verify import parse_readback
 
 
 @dataclass
@@ -99,7 +101,7 @@ class StepBatch:
 
 @dataclass(frozen=True)
 class StepReadback:
-    """What the host learns from the step's one read (:meth:`Engine._read_back`), per request:
+    """What the host learns from the step's one read (:func:`read_back`), per request:
     the prompts' first tokens; each decoding request's kept node indices (root first) and
     committed tokens; its tree's tokens and parents; and whether the proposal check failed."""
 
@@ -108,3 +110,41 @@ class StepReadback:
     committed: list[list[int]]
     tree_lists: list[tuple[list[int], list[int]]]
     suspect: bool
+
+
+def read_back(
+    first: torch.Tensor,
+    table: torch.Tensor | None,
+    trees: TokenTree | None,
+    suspect: torch.Tensor | None,
+) -> StepReadback:
+    """The step's one device-to-host read: the prompts' first tokens, each decoding request's
+    kept nodes and committed tokens (the verification table), the tree structure the host
+    does not know yet (trees drafted on the device), and the proposal check's flag, packed
+    into one tensor. Everything the host does after verification comes from it."""
+    need_structure = trees is not None and (trees.host is None or trees.host.tokens is None)
+    parts = [first.long().flatten()]
+    if table is not None:
+        parts.append(table.flatten())
+    if need_structure:
+        parts += [trees.tokens, trees.parents]
+    parts.append((suspect if suspect is not None else torch.zeros((), dtype=torch.bool)).long().view(1))
+    flat = torch.cat([p.to(first.device) for p in parts]).tolist()  # host sync: the one per step
+    at = len(first)
+    first_tokens = flat[:at]
+    accepted, committed, tree_lists = [], [], []
+    if table is not None:
+        rows, width = table.shape
+        chunk = flat[at : at + rows * width]
+        at += rows * width
+        for nodes, tokens in parse_readback([chunk[i * width : (i + 1) * width] for i in range(rows)]):
+            accepted.append(nodes)
+            committed.append(tokens)
+        cu = trees.cu_list()
+        if need_structure:
+            n = trees.num_nodes
+            tokens, parents = flat[at : at + n], flat[at + n : at + 2 * n]
+        else:
+            tokens, parents = trees.host.tokens, trees.host.parents
+        tree_lists = [(list(tokens[i:j]), list(parents[i:j])) for i, j in itertools.pairwise(cu)]
+    return StepReadback(first_tokens, accepted, committed, tree_lists, bool(flat[-1]))

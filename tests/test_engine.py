@@ -272,3 +272,31 @@ def test_a_wrapper_declares_what_the_wrapped_proposer_declares_without_copying()
         adaptive.set_budget(3, 2)
     with pytest.raises(TypeError, match="expected a Proposer"):
         Checker(object())
+
+
+def test_one_default_context_and_requests_longer_than_a_proposer_holds_are_refused_up_front():
+    """The engine and the proposers with caches of their own size by one default
+    (treespec.cache.default_max_len); a proposer declares what it holds (max_context), read
+    through wrappers, and an engine that may need more refuses with both numbers."""
+    from test_eagle import random_head
+
+    from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
+    from treespec.cache import DEFAULT_MAX_LEN, default_max_len
+    from treespec.proposers import DraftModelProposer, EagleProposer, HybridProposer
+    from treespec.target import Target
+
+    model = build("llama")
+    context = model.config.max_position_embeddings
+    assert default_max_len(None) == DEFAULT_MAX_LEN and default_max_len(100) == min(100, DEFAULT_MAX_LEN)
+    eagle = EagleProposer(random_head(model), model, top_k=2, depth=2, total_tokens=4)
+    draft = DraftModelProposer(model, max_len=64)
+    assert eagle.max_context == default_max_len(context) and draft.max_context == 64
+    assert Engine(Target(model)).max_len == default_max_len(context)
+    hybrid = HybridProposer(AdaptiveProposer(eagle, BudgetChooser(CostModel([1, 8], [1.0, 1.0]))), draft)
+    assert hybrid.max_context == 64
+    with pytest.raises(ValueError, match="need 65 context tokens, but DraftModelProposer holds 64"):
+        Engine(Target(model), max_len=65, proposer=draft)
+    Engine(Target(model), max_len=64, proposer=draft)
+    with pytest.raises(ValueError, match="build the proposer .* with max_len=80"):
+        treespec.generate(model, [[5] * 70], max_new_tokens=10, proposer=hybrid)
+    assert treespec.generate(model, [[5, 6, 7]], max_new_tokens=4, proposer=draft).sequences

@@ -186,7 +186,7 @@ def generate(
     if isinstance(proposer, str):
         if proposer != "auto":
             raise ValueError(f'proposer must be a Proposer, None or "auto", got {proposer!r}')
-        proposer = auto_proposer(target.model, batch_size=batch_size, target=target)
+        proposer = auto_proposer(target.model, batch_size=batch_size, target=target, max_len=longest)
     start = time.perf_counter()
     engine = Engine(
         target,

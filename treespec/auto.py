@@ -29,7 +29,11 @@ def model_name(model: PreTrainedModel) -> str:
     return Path(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")).name
 
 
-def auto_proposer(model: PreTrainedModel, *, batch_size: int = 1, target: Target | None = None) -> Proposer:
+def auto_proposer(
+    model: PreTrainedModel, *, batch_size: int = 1, target: Target | None = None, max_len: int | None = None
+) -> Proposer:
+    """The proposer ``proposer="auto"`` picks, for ``batch_size`` requests of at most ``max_len``
+    context tokens each (None: the default, ``treespec.cache.default_max_len``)."""
     shipped = heads.shipped_for(model_name(model))
     if "eagle" not in shipped:
         return NgramProposer(max_depth=8, max_nodes=32, token_cost=0.3)
@@ -37,6 +41,8 @@ def auto_proposer(model: PreTrainedModel, *, batch_size: int = 1, target: Target
     key = (id(model), batch_size)
     if key not in _COSTS:
         _COSTS[key] = CostModel.measure(target or Target(model), batch_size=batch_size, repeats=3)
-    eagle = EagleProposer(head, model, depth=6, top_k=8, total_tokens=31, max_batch_size=batch_size)
+    eagle = EagleProposer(
+        head, model, depth=6, top_k=8, total_tokens=31, max_batch_size=batch_size, max_len=max_len
+    )
     throughput = _RATES.setdefault(key, StepThroughput())
     return AdaptiveProposer(eagle, BudgetChooser(_COSTS[key]), throughput=throughput)

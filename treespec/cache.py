@@ -23,6 +23,16 @@ class CacheFullError(RuntimeError):
     """No free slot is left."""
 
 
+DEFAULT_MAX_LEN = 4096  # context tokens per request (prompt + output) when nobody says how many
+
+
+def default_max_len(model_context: int | None) -> int:
+    """The context a cache holds per request when the caller gives none: ``DEFAULT_MAX_LEN``,
+    or the model's own context when shorter. The engine and the proposers with a cache of their
+    own (EAGLE heads, draft models) all size by it."""
+    return min(DEFAULT_MAX_LEN, model_context or DEFAULT_MAX_LEN)
+
+
 class KVCache:
     """Preallocated per-layer K/V storage with slot allocation and per-slot committed lengths."""
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from treespec.cache import default_max_len
 from treespec.handover import HiddenHandover, committed_features
 from treespec.picking import TokenPicker
 from treespec.proposal_check import check_proposal, locate_problem
@@ -31,8 +32,6 @@ TOKENIZE_HINT = (
     "tokenize first, with the chat template for a chat model: "
     "treespec.prompts.encode_prompts(tokenizer, [text, ...]), or plain: tokenizer([text, ...])['input_ids']"
 )
-
-DEFAULT_MAX_LEN = 2048
 
 
 class Engine:
@@ -68,7 +67,7 @@ class Engine:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if max_len is None:
-            max_len = min(DEFAULT_MAX_LEN, target.max_context or DEFAULT_MAX_LEN)
+            max_len = default_max_len(target.max_context)
         if proposer is not None and not isinstance(proposer, Proposer):
             raise TypeError(f"proposer must be a treespec.proposers.Proposer, got {type(proposer).__name__}")
         if proposer is not None and proposer.vocab_size not in (None, target.vocab_size):
@@ -94,6 +93,11 @@ class Engine:
         self.max_tree_nodes = proposer.max_tree_nodes if proposer is not None else 1
         capacity = proposer.max_batch_size if proposer is not None else None
         self.max_running = min(max_batch_size, capacity or max_batch_size)
+        if proposer is not None and proposer.max_context is not None and max_len > proposer.max_context:
+            raise ValueError(
+                f"requests may need {max_len} context tokens, but {type(proposer).__name__} holds "
+                f"{proposer.max_context} per request: build the proposer (its head or draft model) with max_len={max_len}"
+            )
         self.max_len = max_len
         self.cache = target.new_cache(self.max_running, max_len + self.max_tree_nodes)
         self.prefill_chunk_size = prefill_chunk_size

@@ -25,6 +25,8 @@ engine and the wrappers read attributes and never probe for them:
                       (EAGLE-3's low, middle and high layers).
     has_budget        True: ``set_budget(num_nodes, depth)`` sizes the next trees (the adaptive
                       budget of ``treespec.budget`` drives it).
+    max_context       the most context tokens per request (prompt + output) its own cache holds
+                      (None: no limit); the engine refuses requests that could need more.
 
 :class:`Capabilities` holds them as one frozen value (``proposer.capabilities``), and a proposer
 that wraps another (:class:`WrappingProposer`: the adaptive budget, a benchmark's timer) reads
@@ -109,6 +111,7 @@ class Capabilities:
     needs_hidden: bool = False
     hidden_layers: tuple[int, ...] = ()
     has_budget: bool = False
+    max_context: int | None = None
 
 
 CAPABILITIES = tuple(f.name for f in fields(Capabilities))
@@ -128,6 +131,7 @@ class Proposer(abc.ABC):
     needs_hidden: bool = False
     hidden_layers: tuple[int, ...] = ()
     has_budget: bool = False
+    max_context: int | None = None
 
     @abc.abstractmethod
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
@@ -183,6 +187,7 @@ class WrappingProposer(Proposer):
     needs_hidden = _read_through("needs_hidden")
     hidden_layers = _read_through("hidden_layers")
     has_budget = _read_through("has_budget")
+    max_context = _read_through("max_context")
 
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
         return self.proposer.propose(requests)

@@ -28,6 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treespec import linear
+from treespec.cache import default_max_len
 from treespec.processors import process_draft, tree_paths
 from treespec.proposers.base import ProposalRequest, Proposer, reduced_rows
 from treespec.sampling import logits_to_probs
@@ -89,7 +90,8 @@ class DraftModelProposer(Proposer):
         self.max_batch_size = max_batch_size
         if target_model is not None:
             check_same_vocabulary(target_model, draft_model)
-        max_len = max_len or min(4096, self.draft.max_context or 4096)  # context tokens per request
+        max_len = max_len or default_max_len(self.draft.max_context)  # context tokens per request
+        self.max_context = max_len
         # The draft scores at most all drafted nodes at once (dynamic: every frontier node of
         # every level), written past the cached context.
         self.cache = self.draft.new_cache(max_batch_size, max_len + self._max_forest())

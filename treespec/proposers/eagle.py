@@ -31,7 +31,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from treespec import linear
-from treespec.cache import KVCache
+from treespec.cache import KVCache, default_max_len
 from treespec.heads.eagle import EagleHead, default_feature_layers
 from treespec.kernels.tree_attention import resolve_backend
 from treespec.processors import process_draft
@@ -117,7 +117,8 @@ class EagleProposer(Proposer):
         if readout_ids is not None:
             self.readout_ids, self.lm_head = self._reduced_readout(readout_ids, config, target_vocab, backend)
         self.backend = resolve_backend(attention_backend, weight.device)
-        max_len = max_len or min(4096, getattr(target_config, "max_position_embeddings", 4096) or 4096)
+        max_len = max_len or default_max_len(getattr(target_config, "max_position_embeddings", None))
+        self.max_context = max_len
         drafted = 1 + (depth - 1) * top_k  # nodes run through the head per step, root pair included
         self.cache = KVCache(
             1, max_batch_size, config.num_key_value_heads, max_len + drafted, config.head_dim,

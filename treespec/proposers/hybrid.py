@@ -41,6 +41,8 @@ class HybridProposer(Proposer):
         self.max_tree_nodes = 1 + sum(p.max_tree_nodes - 1 for p in proposers)
         limits = [p.max_batch_size for p in proposers if p.max_batch_size is not None]
         self.max_batch_size = min(limits) if limits else None
+        contexts = [p.max_context for p in proposers if p.max_context is not None]
+        self.max_context = min(contexts) if contexts else None
         self._where: dict[int, list[list[int]]] = {}  # request id -> per member: its node i -> merged node
 
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:

@@ -263,7 +263,16 @@ def test_a_wrapper_declares_what_the_wrapped_proposer_declares_without_copying()
     eagle = EagleProposer(random_head(model), model, top_k=2, depth=3, total_tokens=6, max_batch_size=3)
     checker = Checker(eagle)
     assert checker.capabilities == eagle.capabilities
-    assert eagle.capabilities == Capabilities(**{name: getattr(eagle, name) for name in CAPABILITIES})
+    caps = eagle.capabilities
+    assert (caps.max_tree_nodes, caps.max_batch_size, caps.needs_hidden, caps.has_budget) == (
+        7,
+        3,
+        True,
+        True,
+    )
+    assert set(CAPABILITIES) == {f.name for f in dataclasses.fields(Capabilities)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        caps.max_tree_nodes = 9
     adaptive = AdaptiveProposer(eagle, BudgetChooser(CostModel([1, 8], [1.0, 1.0])))
     assert adaptive.capabilities == dataclasses.replace(eagle.capabilities, has_budget=False)
     eagle.max_tree_nodes = 4  # the wrapped one changes: nothing was copied

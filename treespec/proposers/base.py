@@ -102,16 +102,17 @@ class StepResult:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a proposer declares (module docstring), as one value."""
+    """What a proposer declares (module docstring), as one value: ``proposer.capabilities``.
+    Every field is given; the defaults a proposer starts from are :class:`Proposer`'s."""
 
-    sampled_children: bool = False
-    max_tree_nodes: int = 1
-    max_batch_size: int | None = None
-    vocab_size: int | None = None
-    needs_hidden: bool = False
-    hidden_layers: tuple[int, ...] = ()
-    has_budget: bool = False
-    max_context: int | None = None
+    sampled_children: bool
+    max_tree_nodes: int
+    max_batch_size: int | None
+    vocab_size: int | None
+    needs_hidden: bool
+    hidden_layers: tuple[int, ...]
+    has_budget: bool
+    max_context: int | None
 
 
 CAPABILITIES = tuple(f.name for f in fields(Capabilities))

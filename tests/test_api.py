@@ -193,3 +193,30 @@ def test_a_shadowing_checkout_hands_the_import_on(tmp_path):
     run = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 1  # -S: no site-packages, so no installed treespec
     assert f"found the source checkout {clone}" in run.stderr and "pip install -e" in run.stderr
+
+
+def test_the_checkouts_kernel_folder_hands_the_import_on(tmp_path):
+    """Python started in a checkout's root finds its kernels/ folder as a top-level ``kernels``,
+    the name of Hugging Face's package that transformers imports when installed; the folder's
+    __init__.py hands the import on to that package, or says where treespec's kernels are."""
+    import subprocess
+    import sys
+    from importlib import metadata
+    from pathlib import Path
+
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text(
+        (Path(__file__).parents[1] / "kernels" / "__init__.py").read_text()
+    )
+    code = "import kernels; print(kernels.__file__)"
+    try:
+        metadata.version("kernels")
+    except metadata.PackageNotFoundError:
+        pass
+    else:
+        run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        assert Path(run.stdout.strip()).resolve().parent != (tmp_path / "kernels").resolve()
+    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 1  # -S: no site-packages, so no installed kernels package
+    assert "treespec's kernels import as `treespec.kernels`" in run.stderr

@@ -36,8 +36,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import PretrainedConfig
 
 from treespec.heads.eagle import EagleConfig, EagleHead, default_feature_layers
+from treespec.heads.fit import TargetShape
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
 
 MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -100,13 +102,21 @@ def load_published_medusa(folder: str | Path) -> MedusaHeads:
 
 
 def export_published_medusa(
-    heads: MedusaHeads, folder: str | Path, *, target_lm_head: nn.Module | None = None, base_model: str = ""
+    heads: MedusaHeads, folder: str | Path, *, target: nn.Module | PretrainedConfig, base_model: str = ""
 ) -> Path:
-    """Write heads in the published layout (safetensors). Heads that read out through the target's
-    LM head need it here: the published layout stores a read-out per head."""
+    """Write heads for ``target`` in the published layout (safetensors), as vLLM's ``medusa``
+    drafter loads it. Heads that read out through the target's LM head need the model itself
+    (not only its config): the published layout stores a read-out per head. Heads of another
+    hidden size or vocabulary than the target's are refused."""
     config = heads.config
-    if not config.own_lm_head and target_lm_head is None:
-        raise ValueError("these heads use the target's LM head: pass target_lm_head to export them")
+    TargetShape.of(target).check(
+        "the Medusa heads", hidden_size=config.hidden_size, vocab_size=config.vocab_size
+    )
+    if not config.own_lm_head and not isinstance(target, nn.Module):
+        raise ValueError(
+            "these heads use the target's LM head: pass the target model, not its config, to export them"
+        )
+    target_lm_head = None if config.own_lm_head else target.get_output_embeddings()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {}
@@ -171,13 +181,21 @@ def load_published_eagle(folder: str | Path) -> EagleHead:
 
 
 def export_published_eagle(
-    head: EagleHead, folder: str | Path, *, target_num_layers: int | None = None
+    head: EagleHead, folder: str | Path, *, target: nn.Module | PretrainedConfig
 ) -> Path:
-    """Write ``head`` in the published layout (EAGLE-1 or EAGLE-3 by its config; safetensors), as
-    vLLM and SGLang load it. EAGLE-3 records its feature layers (``target_num_layers`` resolves
-    the default ones of a head that has none). An EAGLE-1 head's reduced read-out is not part of
-    that layout: the exported head reads out through the whole vocabulary."""
+    """Write ``head`` for ``target`` in the published layout (EAGLE-1 or EAGLE-3 by its config;
+    safetensors), as vLLM (``eagle`` / ``eagle3``) and SGLang load it. A head of another hidden
+    size or vocabulary than the target's, or EAGLE-3 feature layers the target lacks, is refused.
+    EAGLE-3 records its feature layers (a head with none gets the target's default ones). An
+    EAGLE-1 head's reduced read-out is not part of that layout: the exported head reads out
+    through the whole vocabulary."""
     config = head.config
+    shape = TargetShape.of(target)
+    feature_layers = config.feature_layers or (
+        default_feature_layers(shape.num_layers) if config.eagle3 else ()
+    )
+    shape.check("the EAGLE head", hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                feature_layers=feature_layers)  # fmt: skip
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     layer = "midlayer" if config.eagle3 else "layers.0"
@@ -203,15 +221,11 @@ def export_published_eagle(
         t2d[ids.cpu()] = True
         state["t2d"] = t2d
         meta["draft_vocab_size"] = config.readout_size
-        layers = config.feature_layers
-        if not layers and target_num_layers is not None:
-            layers = default_feature_layers(target_num_layers)
-        if layers:
-            meta["eagle_aux_hidden_state_layer_ids"] = list(layers)
-            meta["eagle_config"] = {
-                "eagle_aux_hidden_state_layer_ids": list(layers),
-                "use_aux_hidden_state": True,
-            }
+        meta["eagle_aux_hidden_state_layer_ids"] = list(feature_layers)
+        meta["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": list(feature_layers),
+            "use_aux_hidden_state": True,
+        }
     save_file(state, str(folder / EAGLE_WEIGHTS[0]))
     (folder / "config.json").write_text(json.dumps(meta, indent=2, default=str))
     return folder

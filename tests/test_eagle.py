@@ -267,7 +267,7 @@ def test_bad_heads(tmp_path):
         EagleProposer(EagleHead(dataclasses.replace(config, hidden_size=32)), model)
     with pytest.raises(ValueError, match="vocabulary of 256, the target 128"):
         EagleProposer(EagleHead(dataclasses.replace(config, vocab_size=256)), model)
-    with pytest.raises(ValueError, match="feature_layers"):
+    with pytest.raises(ValueError, match=r"target layers \(0, 1, 5\).*the target has 2 layers"):
         EagleProposer(
             EagleHead(EagleConfig.from_target(model.config, eagle3=True, feature_layers=(0, 1, 5))), model
         )
@@ -417,7 +417,7 @@ def test_published_eagle3_layout_loads_with_known_weights(tmp_path):
 def test_export_then_import_round_trip(tmp_path, eagle3):
     model = build("llama")
     head = random_head(model, eagle3=eagle3, draft_vocab=48 if eagle3 else None)
-    heads_module.export_published_eagle(head, tmp_path / "pub", target_num_layers=2)
+    heads_module.export_published_eagle(head, tmp_path / "pub", target=model)
     config = json.loads((tmp_path / "pub" / "config.json").read_text())
     from safetensors.torch import load_file
 
@@ -531,7 +531,29 @@ def test_an_eagle1_head_with_its_own_draft_vocabulary(tmp_path):
     prompt = [5, 9, 2, 7, 7, 3]
     out = treespec.generate(model, [prompt], max_new_tokens=16, proposer=own)
     assert out.sequences[0] == hf_greedy(model, prompt, 16)
-    export_published_eagle(loaded, tmp_path / "published")
+    export_published_eagle(loaded, tmp_path / "published", target=model.config)
     from safetensors.torch import load_file
 
     assert "d2t" not in load_file(str(next((tmp_path / "published").glob("*.safetensors"))))
+
+
+def test_export_refuses_a_head_for_another_target(tmp_path):
+    """A head exported for a target it does not fit is refused, both sides named, and nothing is
+    written: another hidden size, another vocabulary, EAGLE-3 layers the target lacks."""
+    model = build("llama")  # hidden 64, vocabulary 128, 2 layers
+    config = EagleConfig.from_target(model.config)
+    cases = [
+        (EagleHead(dataclasses.replace(config, hidden_size=32)), "hidden size 32, the target 64"),
+        (EagleHead(dataclasses.replace(config, vocab_size=256)), "vocabulary of 256, the target 128"),
+        (
+            EagleHead(EagleConfig.from_target(model.config, eagle3=True, feature_layers=(0, 1, 5))),
+            r"target layers \(0, 1, 5\).*the target has 2 layers",
+        ),
+    ]
+    for head, message in cases:
+        for target in (model, model.config):
+            with pytest.raises(ValueError, match=message):
+                heads_module.export_published_eagle(head, tmp_path / "out", target=target)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(TypeError, match="Hugging Face model or its config, got str"):
+        heads_module.export_published_eagle(random_head(model), tmp_path / "out", target="llama")

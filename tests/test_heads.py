@@ -189,14 +189,20 @@ def test_export_then_import_round_trip(tmp_path):
     for own in (True, False):
         heads = random_heads(model, own_lm_head=own)
         folder = heads_module.export_published_medusa(
-            heads, tmp_path / f"out-{own}", target_lm_head=model.get_output_embeddings(), base_model="tiny"
+            heads, tmp_path / f"out-{own}", target=model, base_model="tiny"
         )
         back = heads_module.load(folder)
         hidden = torch.randn(4, model.config.hidden_size)
         lm_head = None if own else model.get_output_embeddings()
         torch.testing.assert_close(back(hidden), heads(hidden, lm_head), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="pass target_lm_head"):
-        heads_module.export_published_medusa(random_heads(model, own_lm_head=False), tmp_path / "x")
+    with pytest.raises(ValueError, match="pass the target model, not its config"):
+        heads_module.export_published_medusa(
+            random_heads(model, own_lm_head=False), tmp_path / "x", target=model.config
+        )
+    other = build("llama", hidden_size=32)
+    with pytest.raises(ValueError, match="hidden size 64, the target 32"):
+        heads_module.export_published_medusa(random_heads(model), tmp_path / "x", target=other)
+    assert not (tmp_path / "x").exists()
 
 
 def test_published_medusa_missing_tensor_is_named(tmp_path):

@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 from treespec import linear
 from treespec.cache import KVCache, default_max_len
 from treespec.heads.eagle import EagleHead, default_feature_layers
+from treespec.heads.fit import TargetShape
 from treespec.kernels.tree_attention import resolve_backend
 from treespec.processors import process_draft
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
@@ -82,21 +83,13 @@ class EagleProposer(Proposer):
         rows are copied once (n x hidden values)."""
         config = head.config
         target_config = target_model.config.get_text_config()
-        target_vocab = target_model.get_output_embeddings().weight.shape[0]
-        if config.hidden_size != target_config.hidden_size:
-            raise ValueError(
-                f"the EAGLE head has hidden size {config.hidden_size}, the target {target_config.hidden_size}"
-            )
-        if config.vocab_size != target_vocab:
-            raise ValueError(
-                f"the EAGLE head has a vocabulary of {config.vocab_size}, the target {target_vocab}"
-            )
-        num_layers = target_config.num_hidden_layers
-        layers = () if not config.eagle3 else config.feature_layers or default_feature_layers(num_layers)
-        if any(not 0 <= layer < num_layers for layer in layers):
-            raise ValueError(
-                f"feature_layers {layers} must lie in [0, {num_layers - 1}] (the target has {num_layers} layers)"
-            )
+        target = TargetShape.of(target_model)
+        target_vocab = target.vocab_size
+        layers = (
+            () if not config.eagle3 else config.feature_layers or default_feature_layers(target.num_layers)
+        )
+        target.check("the EAGLE head", hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                     feature_layers=layers)  # fmt: skip
         check_dynamic_budget(top_k, depth, total_tokens, vocab=config.readout_size,
                              names=("top_k", "depth", "total_tokens"))  # fmt: skip
         head = _follow_target(head, target_model)

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treespec import linear
+from treespec.heads.fit import TargetShape
 from treespec.heads.medusa import MedusaHeads
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
 from treespec.tree import (
@@ -50,16 +51,9 @@ class MedusaProposer(Proposer):
         LM head use only these rows of it (a reduced draft vocabulary, as for EAGLE heads): a
         token outside is never drafted, the output is the target's either way."""
         config = heads.config
-        target_hidden = target_model.config.hidden_size
-        target_vocab = target_model.get_output_embeddings().weight.shape[0]
-        if config.hidden_size != target_hidden:
-            raise ValueError(
-                f"Medusa heads have hidden size {config.hidden_size}, the target {target_hidden}"
-            )
-        if config.vocab_size != target_vocab:
-            raise ValueError(
-                f"Medusa heads have a vocabulary of {config.vocab_size}, the target {target_vocab}"
-            )
+        target = TargetShape.of(target_model)
+        target.check("the Medusa heads", hidden_size=config.hidden_size, vocab_size=config.vocab_size)
+        target_vocab = target.vocab_size
         first = next(heads.parameters())
         backend = linear.resolve_linear_backend(linear_backend, first.device, first.dtype)
         self.heads = linear.module_view(heads, backend).eval()

@@ -128,7 +128,10 @@ def export_published_medusa(
         readout = heads.lm_heads[i] if heads.lm_heads is not None else target_lm_head
         state[f"{i}.{config.num_layers}.weight"] = readout.weight.detach().clone()
     save_file(state, str(folder / MEDUSA_WEIGHTS[0]))
+    # hidden_size, vocab_size and medusa_fc_bias are what vLLM reads besides the two counts (it
+    # would build 4096-wide heads without biases otherwise, and drop the biases silently)
     meta = {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers,
+            "hidden_size": config.hidden_size, "vocab_size": config.vocab_size, "medusa_fc_bias": True,
             "base_model_name_or_path": base_model}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(meta, indent=2))
     return folder

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -167,3 +168,56 @@ def test_ship_heads_trains_benches_and_ships_the_three_kinds_and_resumes(tmp_pat
     # a data folder smaller than TOKENS ends with a clear error, not a half-shipped set
     run = subprocess.run(command, env=env | {"TOKENS": "100000"}, capture_output=True, text=True)
     assert run.returncode == 1 and "fewer than 100000 answer tokens" in run.stderr
+
+
+def test_serve_check_exports_each_kind_and_reads_it_back(tmp_path, monkeypatch, capsys):
+    """scripts/serve_check.py without vLLM (--no-vllm, as CI has none): each kind is written in
+    the published layout vLLM reads, loaded back from there, and decodes the target's own greedy
+    output with a chain; a head of the wrong kind is refused, naming what it is."""
+    from test_bench import tiny_model_folder
+    from test_eagle import random_head
+
+    import treespec
+    from treespec.heads.layouts import published_layout
+
+    model = tiny_model_folder(tmp_path)
+    random_head(model, eagle3=True, draft_vocab=48).save(tmp_path / "eagle3")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w1 w2 w3"}\n{"prompt": "w9 w40 w77 w3"}\n')
+    out = tmp_path / "serve.json"
+    heads = [f"{kind}={tmp_path / kind}" for kind in ("eagle", "eagle3", "medusa")]
+    argv = ["--model", str(tmp_path / "model"), "--heads", *heads, "--prompts", str(prompts), "--n", "2",
+            "--new", "12", "--chain", "2", "--out", str(tmp_path / "exported"), "--json", str(out), "--no-vllm"]  # fmt: skip
+    run_script("serve_check", argv, monkeypatch)
+    report = json.loads(out.read_text())
+    plain = None
+    for kind in ("eagle", "eagle3", "medusa"):
+        entry = report["heads"][kind]
+        assert published_layout(Path(entry["exported"])) == kind
+        assert 1.0 <= entry["treespec"]["tokens_per_step"] <= 3.0
+        if plain is None:
+            from treespec.models import load
+            from treespec.prompts import encode_prompts
+
+            target, tokenizer = load(tmp_path / "model", dtype=torch.bfloat16)
+            ids = encode_prompts(tokenizer, ["w1 w2 w3", "w9 w40 w77 w3"])
+            plain = treespec.generate(target, ids, max_new_tokens=12).sequences
+        assert entry["treespec"]["sequences"] == plain
+    assert "eagle3  treespec" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="that is an EAGLE-1 head, not a medusa head"):
+        run_script(
+            "serve_check", [*argv[:2], "--heads", f"medusa={tmp_path / 'eagle'}", *argv[6:]], monkeypatch
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path.home().joinpath(".cache/treespec-peers/vllm/bin/python").is_file(),
+                    reason="vLLM's CPU build is not installed (../shared/peers/setup.sh)")  # fmt: skip
+def test_serve_check_against_vllm(tmp_path, monkeypatch):
+    """Where vLLM's CPU build is installed: the shipped EAGLE head, exported, drafts in vLLM with
+    the tokens per step treespec gets from it (within 5 %)."""
+    out = tmp_path / "serve.json"
+    run_script("serve_check", ["--heads", "eagle=smollm2-135m-instruct-eagle", "--n", "2", "--new", "32",
+                               "--out", str(tmp_path / "exported"), "--json", str(out)], monkeypatch)  # fmt: skip
+    entry = json.loads(out.read_text())["heads"]["eagle"]
+    assert abs(entry["vllm_over_treespec"] - 1) <= 0.05, entry

@@ -1,0 +1,198 @@
+"""The heads as vLLM serves them, against treespec, on the same prompts (docs/heads.md).
+
+For each head asked for (``--heads KIND=NAME_OR_FOLDER``; KIND is ``eagle``, ``eagle3`` or
+``medusa``; default: the shipped EAGLE and Medusa heads of the model):
+
+1. export it in the published layout (``export_published_eagle`` / ``export_published_medusa``)
+   into ``--out``/KIND, the folder vLLM reads;
+2. load that folder back into treespec and decode the prompts greedily with a chain of ``--chain``
+   drafted tokens (the shape vLLM drafts), recording the tokens committed per step;
+3. run vLLM's matching drafter (``method`` = KIND, ``num_speculative_tokens`` = ``--chain``) on the
+   same token ids, greedy, the same number of new tokens, and read its tokens per step from its
+   counters (1 + accepted / drafts).
+
+vLLM runs in its own interpreter (``--vllm-python``, default: the peers' venv that
+``../shared/peers/setup.sh`` makes; this script re-enters itself there with ``--vllm-job``, which
+imports vLLM alone). Without one, ``--no-vllm`` runs steps 1-2 only, which the tests do.
+Prints one line per head and writes JSON (``--json``). Acceptance is not a timing: it may run
+beside other work.
+
+    python scripts/serve_check.py [--model smollm2-135m-instruct] [--chain 3] [--new 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+METHODS = ("eagle", "eagle3", "medusa")
+PEERS_PYTHON = Path.home() / ".cache" / "treespec-peers" / "vllm" / "bin" / "python"
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # fmt: skip
+
+
+def parse_heads(specs: list[str]) -> dict[str, str]:
+    heads = {}
+    for spec in specs:
+        kind, sep, where = spec.partition("=")
+        if not sep or kind not in METHODS or not where:
+            raise SystemExit(
+                f"--heads takes KIND=NAME_OR_FOLDER with KIND in {', '.join(METHODS)}, got {spec!r}"
+            )
+        heads[kind] = where
+    return heads
+
+
+def export(kind: str, where: str, model, folder: Path) -> Path:
+    """The head ``where`` (name or folder) written in the published layout vLLM reads."""
+    from treespec import heads as heads_module
+
+    head = heads_module.load(where)
+    is_eagle3 = getattr(getattr(head, "config", None), "eagle3", None)
+    expected = {"eagle": False, "eagle3": True, "medusa": None}[kind]
+    if is_eagle3 != expected:
+        found = {False: "an EAGLE-1 head", True: "an EAGLE-3 head", None: "Medusa heads"}[is_eagle3]
+        raise SystemExit(f"--heads {kind}={where}: that is {found}, not a {kind} head")
+    if kind == "medusa":
+        return heads_module.export_published_medusa(head, folder, target=model)
+    return heads_module.export_published_eagle(head, folder, target=model)
+
+
+def treespec_chain(
+    kind: str, folder: Path, model, prompts: list[list[int]], chain: int, new: int, eos
+) -> dict:
+    """Greedy decoding with the exported head, drafting a chain of ``chain`` tokens."""
+    import treespec
+    from treespec import heads as heads_module
+    from treespec.proposers import EagleProposer, MedusaProposer
+    from treespec.tree import chain as chain_shape
+
+    head = heads_module.load(folder)
+    if kind == "medusa":
+        proposer = MedusaProposer(head, model, tree=chain_shape(chain))
+    else:
+        proposer = EagleProposer(
+            head, model, depth=chain, top_k=1, total_tokens=chain, max_batch_size=len(prompts)
+        )
+    start = time.perf_counter()
+    out = treespec.generate(model, prompts, proposer=proposer, max_new_tokens=new, eos_token_id=eos)
+    return {"tokens_per_step": out.stats.tau, "steps": out.stats.steps, "seconds": time.perf_counter() - start,
+            "sequences": out.sequences}  # fmt: skip
+
+
+def vllm_chain(python: str, job: dict) -> dict:
+    """Run vLLM in ``python`` on ``job`` (this script's --vllm-job mode) and return its report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_file.write_text(json.dumps(job | {"out": str(out_file)}))
+        env = os.environ | VLLM_ENV
+        run = subprocess.run([python, str(Path(__file__).resolve()), "--vllm-job", str(job_file)], env=env, cwd=tmp,
+                             capture_output=True, text=True)  # fmt: skip  # outside the checkout: its folders shadow packages
+        if run.returncode != 0 or not out_file.is_file():
+            tail = "\n".join(run.stderr.strip().splitlines()[-15:])
+            raise RuntimeError(f"vLLM ({python}) failed on {job['method']} (exit {run.returncode}):\n{tail}")
+        return json.loads(out_file.read_text())
+
+
+def run_vllm_job(job_file: str) -> None:
+    """In vLLM's interpreter: greedy decoding with the exported head; counters to JSON."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.loads(Path(job_file).read_text())
+    llm = LLM(
+        model=job["model"], dtype="bfloat16", max_model_len=job["max_model_len"], enforce_eager=True, seed=0,
+        enable_prefix_caching=False, max_num_seqs=len(job["prompts"]), disable_log_stats=False,
+        speculative_config={"method": job["method"], "model": job["head"], "num_speculative_tokens": job["chain"]},
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=job["new"], stop_token_ids=job["eos"])
+    start = time.perf_counter()
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False
+    )
+    seconds = time.perf_counter() - start
+    counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    drafts = counters.get("vllm:spec_decode_num_drafts") or 0
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
+    report = {"tokens_per_step": 1 + accepted / drafts if drafts else None, "drafts": drafts, "accepted": accepted,
+              "draft_tokens": counters.get("vllm:spec_decode_num_draft_tokens"), "seconds": seconds,
+              "sequences": [list(o.outputs[0].token_ids) for o in outs]}  # fmt: skip
+    Path(job["out"]).write_text(json.dumps(report))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
+    parser.add_argument(
+        "--heads", nargs="*", default=None, help="KIND=NAME_OR_FOLDER (default: the shipped ones)"
+    )
+    parser.add_argument(
+        "--prompts", default=None, help="JSON lines (turns[0], question or prompt); default: built in"
+    )
+    parser.add_argument("--n", type=int, default=4, help="prompts (evenly spaced in the file)")
+    parser.add_argument("--new", type=int, default=64, help="new tokens per prompt")
+    parser.add_argument("--chain", type=int, default=3, help="drafted tokens per step (a chain)")
+    parser.add_argument("--out", default="bench_results/serve_check", help="folder for the exported heads")
+    parser.add_argument("--json", default="bench_results/serve_check.json")
+    parser.add_argument("--vllm-python", default=str(PEERS_PYTHON), help="an interpreter with vLLM")
+    parser.add_argument("--no-vllm", action="store_true", help="export and run treespec only")
+    parser.add_argument("--vllm-job", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.vllm_job:
+        run_vllm_job(args.vllm_job)
+        return {}
+    if args.chain < 1 or args.new < 2 or args.n < 1:
+        raise SystemExit(f"--chain >= 1, --new >= 2 and --n >= 1, got {args.chain}, {args.new}, {args.n}")
+    import torch
+
+    from treespec import heads as heads_module
+    from treespec import models
+    from treespec.prompts import DEFAULT_PROMPTS, encode_prompts, read_prompt_records
+
+    heads = parse_heads(args.heads) if args.heads is not None else {
+        kind: name for kind, name in heads_module.shipped_for(args.model).items() if kind in METHODS
+    }  # fmt: skip
+    if not heads:
+        raise SystemExit(f"no heads to check: {args.model} ships none; pass --heads KIND=FOLDER")
+    use_vllm = not args.no_vllm
+    if use_vllm and not Path(args.vllm_python).is_file():
+        raise SystemExit(
+            f"no vLLM interpreter at {args.vllm_python}: run ../shared/peers/setup.sh, or pass --no-vllm"
+        )
+    model_dir = models.pull(args.model) if args.model in models.MODELS else Path(args.model)
+    model, tokenizer = models.load(model_dir, dtype=torch.bfloat16)
+    texts = [text for _, text in read_prompt_records(args.prompts)] if args.prompts else list(DEFAULT_PROMPTS)
+    step = max(1, len(texts) // args.n)
+    prompts = encode_prompts(tokenizer, texts[::step][: args.n])
+    eos = tokenizer.eos_token_id
+    report = {"model": args.model, "chain": args.chain, "new": args.new, "prompts": len(prompts), "heads": {}}
+    for kind, where in heads.items():
+        folder = export(kind, where, model, Path(args.out) / kind)
+        ours = treespec_chain(kind, folder, model, prompts, args.chain, args.new, eos)
+        entry = {"head": where, "exported": str(folder), "treespec": ours}
+        line = f"{kind:7s} treespec {ours['tokens_per_step']:.3f} tokens/step"
+        if use_vllm:
+            job = {"model": str(model_dir), "head": str(folder.resolve()), "method": kind, "chain": args.chain,
+                   "new": args.new, "prompts": prompts, "eos": [] if eos is None else [eos], "max_model_len": 2048}  # fmt: skip
+            theirs = vllm_chain(args.vllm_python, job)
+            entry["vllm"] = theirs
+            entry["vllm_over_treespec"] = theirs["tokens_per_step"] / ours["tokens_per_step"]
+            entry["identical_outputs"] = sum(
+                a == b for a, b in zip(ours["sequences"], theirs["sequences"], strict=True)
+            )
+            line += (f", vLLM {theirs['tokens_per_step']:.3f} ({entry['vllm_over_treespec']:.3f}x); "
+                     f"outputs identical {entry['identical_outputs']}/{len(prompts)}")  # fmt: skip
+        print(line)
+        report["heads"][kind] = entry
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

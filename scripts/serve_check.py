@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default="bench_results/serve_check.json")
     parser.add_argument("--vllm-python", default=str(PEERS_PYTHON), help="an interpreter with vLLM")
     parser.add_argument("--no-vllm", action="store_true", help="export and run treespec only")
+    parser.add_argument("--max-gap", type=float, default=None,
+                        help="exit 1 when vLLM's tokens per step differ from treespec's by more than this share")  # fmt: skip
     parser.add_argument("--vllm-job", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.vllm_job:
@@ -191,6 +193,15 @@ def main(argv: list[str] | None = None) -> dict:
         report["heads"][kind] = entry
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.max_gap is not None and use_vllm:
+        apart = {
+            k: e["vllm_over_treespec"]
+            for k, e in report["heads"].items()
+            if abs(e["vllm_over_treespec"] - 1) > args.max_gap
+        }
+        if apart:
+            raise SystemExit(f"vLLM's tokens per step differ from treespec's by more than {args.max_gap:.0%}: "
+                             + ", ".join(f"{k} {r:.3f}x" for k, r in apart.items()))  # fmt: skip
     return report
 
 

@@ -15,7 +15,10 @@
 #      on BENCH_PROMPTS (default: the Spec-Bench file in ../shared, which the data run held out);
 #   4. OUT/ship.json (tau and acceptance by depth per method, training per kind) and OUT/ship.md
 #      (the same as docs/training.md's tables);
-#   5. with SHIP=FOLDER (e.g. heads/shipped): copy the heads to FOLDER/MODEL-KIND (MODEL's base name).
+#   5. with SHIP=FOLDER (e.g. heads/shipped): first the heads as vLLM serves them (scripts/serve_check.py,
+#      EAGLE and Medusa exported, each drafting a chain in vLLM within SERVE_GAP (5 %) of treespec's tokens
+#      per step, or nothing ships; SERVE_CHECK=skip where vLLM is not installed: the exports alone, and
+#      said), then copy the heads to FOLDER/MODEL-KIND (MODEL's base name).
 set -euo pipefail
 DATA=${1:-runs/data}
 OUT=${2:-runs/shipped}
@@ -117,6 +120,13 @@ for name, temperature, e in rows:
 EOF
 
 if [[ -n $SHIP ]]; then
+  serve=(--max-gap "${SERVE_GAP:-0.05}")
+  if [[ ${SERVE_CHECK:-vllm} == skip ]]; then
+    serve=(--no-vllm)
+    echo "ship_heads: SERVE_CHECK=skip: the heads are exported and read back, but not run in vLLM" >&2
+  fi
+  $PYTHON "$(dirname "$0")/serve_check.py" --model "$MODEL" --heads "eagle=$eagle" "medusa=$OUT/medusa/head" \
+    --out "$OUT/serve_check" --json "$OUT/serve_check.json" "${serve[@]}"
   name=$(basename "$MODEL")  # a registered name, or a local folder's name
   for kind in eagle medusa draft; do
     src=$OUT/$kind/head

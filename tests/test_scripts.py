@@ -141,7 +141,7 @@ def test_ship_heads_trains_benches_and_ships_the_three_kinds_and_resumes(tmp_pat
         "TREESPEC": str(Path(sys.executable).parent / "treespec"), "PYTHON": sys.executable,
         "MODEL": str(tmp_path / "model"), "TOKENS": "30", "CURVE": str(tmp_path / "curve"), "CURVE_POINTS": "10",
         "EAGLE_EPOCHS": "1", "DRAFT_LAYERS": "1", "PER_CATEGORY": "1", "BENCH_PROMPTS": prompts,
-        "BENCH_ARGS": "--max-new-tokens 4 --warmup 0", "SHIP": str(tmp_path / "shipped"),
+        "BENCH_ARGS": "--max-new-tokens 4 --warmup 0", "SHIP": str(tmp_path / "shipped"), "SERVE_CHECK": "skip",
     }  # fmt: skip
     command = [str(SCRIPTS / "ship_heads.sh"), str(tmp_path / "data"), str(tmp_path / "out")]
     run = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -157,6 +157,8 @@ def test_ship_heads_trains_benches_and_ships_the_three_kinds_and_resumes(tmp_pat
     table = (tmp_path / "out" / "ship.md").read_text()
     assert "| eagle | 1 | **" in table and "| draft | " in table  # one row per method, one per kind
     assert (tmp_path / "curve" / "eagle-10" / "report.json").is_file()  # the curve's smaller point too
+    served = json.loads((tmp_path / "out" / "serve_check.json").read_text())["heads"]
+    assert set(served) == {"eagle", "medusa"} and "not run in vLLM" in run.stderr
     stamps = {
         k: (tmp_path / "out" / k / "head" / "model.safetensors").stat().st_mtime_ns
         for k in ("medusa", "draft")

@@ -1,16 +1,20 @@
 """What drafting with an EAGLE head costs per step on the default model, beside the target's
-forward over the tree it drafted and a single-token step.
+forward over the tree it drafted and a single-token step: EAGLE-1 with a full and with the
+reduced 8,192-token read-out it is trained with, EAGLE-3 with its own 8,192-token one, at the
+31 and 8 drafted nodes the heads are measured at (treespec bench --budget fixed / 8).
 
-    python scripts/bench_head_cost.py [--dtype bf16] [--new 24] [--out FILE.json]
+    python scripts/bench_head_cost.py [--model NAME] [--dtype bf16] [--new 24] [--repeats 3] [--out FILE.json]
 
-Random heads (nothing trained ships yet), so every tree is full size: the cost measured is the
-worst case for each budget. Each head variant runs through ``treespec.generate`` at batch 1.
+Random heads, so every tree is full size: the cost measured is the worst case for each budget,
+and it does not depend on what a head learned. Each head variant runs through
+``treespec.generate`` at batch 1; the median over ``--repeats`` runs is reported. Time it alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -22,34 +26,40 @@ from treespec.prompts import DEFAULT_PROMPTS, encode_prompts
 from treespec.proposers import EagleProposer
 
 VARIANTS = {
-    "eagle1": dict(),
+    "eagle1-full-vocab": dict(),
+    "eagle1-vocab8192": dict(draft_vocab_size=8192),
     "eagle3-vocab8192": dict(eagle3=True, draft_vocab_size=8192),
-    "eagle3-full-vocab": dict(eagle3=True),
 }
-BUDGETS = [(8, 5, 31), (4, 4, 15)]  # (top_k, depth, total_tokens)
+BUDGETS = [(8, 6, 31), (8, 6, 8)]  # (top_k, depth, total_tokens), as treespec bench drafts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--new", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench_results/head_cost.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
-    model, tokenizer = load("smollm2-135m-instruct", dtype=dtype)
+    model, tokenizer = load(args.model, dtype=dtype)
+    vocab = model.config.vocab_size
     prompt = encode_prompts(tokenizer, DEFAULT_PROMPTS[:1])
     rows = []
     for name, options in VARIANTS.items():
+        if options.get("draft_vocab_size", 0) > vocab:
+            options = options | {"draft_vocab_size": vocab // 2}  # a small model's reduced read-out
         head = EagleHead(EagleConfig.from_target(model.config, **options)).to(dtype)
         for p in head.parameters():
             torch.nn.init.normal_(p, std=0.02)
         for top_k, depth, total in BUDGETS:
             proposer = EagleProposer(head, model, top_k=top_k, depth=depth, total_tokens=total)
-            stats = treespec.generate(model, prompt, max_new_tokens=args.new, proposer=proposer).stats
+            runs = [treespec.generate(model, prompt, max_new_tokens=args.new, proposer=proposer).stats
+                    for _ in range(args.repeats)]  # fmt: skip
             row = dict(head=name, top_k=top_k, depth=depth, total_tokens=total,
-                       propose_ms=1e3 * stats.propose_s / stats.steps,
-                       forward_ms=1e3 * stats.forward_s / stats.steps)  # fmt: skip
+                       propose_ms=statistics.median(1e3 * s.propose_s / s.steps for s in runs),
+                       forward_ms=statistics.median(1e3 * s.forward_s / s.steps for s in runs))  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     stats = treespec.generate(model, prompt, max_new_tokens=args.new).stats

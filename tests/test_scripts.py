@@ -223,3 +223,22 @@ def test_serve_check_against_vllm(tmp_path, monkeypatch):
                                "--out", str(tmp_path / "exported"), "--json", str(out)], monkeypatch)  # fmt: skip
     entry = json.loads(out.read_text())["heads"]["eagle"]
     assert abs(entry["vllm_over_treespec"] - 1) <= 0.05, entry
+
+
+def test_bench_head_cost_times_each_head_kind_at_both_budgets(tmp_path, monkeypatch):
+    """scripts/bench_head_cost.py on a tiny model: a row per head variant and budget, with the
+    propose and forward times of full-size trees (random heads)."""
+    from test_bench import tiny_model_folder
+
+    tiny_model_folder(tmp_path)
+    out = tmp_path / "cost.json"
+    run_script("bench_head_cost", ["--model", str(tmp_path / "model"), "--new", "6", "--repeats", "1",
+                                   "--dtype", "fp32", "--out", str(out)], monkeypatch)  # fmt: skip
+    report = json.loads(out.read_text())
+    assert {(r["head"], r["total_tokens"]) for r in report["rows"]} == {
+        (head, nodes)
+        for head in ("eagle1-full-vocab", "eagle1-vocab8192", "eagle3-vocab8192")
+        for nodes in (31, 8)
+    }
+    assert all(r["propose_ms"] > 0 and r["forward_ms"] > 0 for r in report["rows"])
+    assert report["single_token_forward_ms"] > 0

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import PretrainedConfig
 
+from treespec.heads.eagle import EagleConfig, default_feature_layers
+
 
 @dataclass(frozen=True)
 class TargetShape:
@@ -36,6 +38,13 @@ class TargetShape:
                 f"expected the target as a Hugging Face model or its config, got {type(target).__name__}"
             )
         return cls(int(config.hidden_size), int(vocab or config.vocab_size), int(config.num_hidden_layers))
+
+    def feature_layers(self, config: EagleConfig) -> tuple[int, ...]:
+        """The target layers whose inputs an EAGLE head fuses: an EAGLE-3 head's own, else this
+        target's default low / middle / high ones; none for EAGLE-1."""
+        if not config.eagle3:
+            return ()
+        return config.feature_layers or default_feature_layers(self.num_layers)
 
     def check(
         self, what: str, *, hidden_size: int, vocab_size: int, feature_layers: Sequence[int] = ()

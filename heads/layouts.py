@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig
 
-from treespec.heads.eagle import EagleConfig, EagleHead, default_feature_layers
+from treespec.heads.eagle import EagleConfig, EagleHead
 from treespec.heads.fit import TargetShape
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
 
@@ -194,9 +194,7 @@ def export_published_eagle(
     through the whole vocabulary."""
     config = head.config
     shape = TargetShape.of(target)
-    feature_layers = config.feature_layers or (
-        default_feature_layers(shape.num_layers) if config.eagle3 else ()
-    )
+    feature_layers = shape.feature_layers(config)
     shape.check("the EAGLE head", hidden_size=config.hidden_size, vocab_size=config.vocab_size,
                 feature_layers=feature_layers)  # fmt: skip
     folder = Path(folder)

@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 
 from treespec import linear
 from treespec.cache import KVCache, default_max_len
-from treespec.heads.eagle import EagleHead, default_feature_layers
+from treespec.heads.eagle import EagleHead
 from treespec.heads.fit import TargetShape
 from treespec.kernels.tree_attention import resolve_backend
 from treespec.processors import process_draft
@@ -85,9 +85,7 @@ class EagleProposer(Proposer):
         target_config = target_model.config.get_text_config()
         target = TargetShape.of(target_model)
         target_vocab = target.vocab_size
-        layers = (
-            () if not config.eagle3 else config.feature_layers or default_feature_layers(target.num_layers)
-        )
+        layers = target.feature_layers(config)
         target.check("the EAGLE head", hidden_size=config.hidden_size, vocab_size=config.vocab_size,
                      feature_layers=layers)  # fmt: skip
         check_dynamic_budget(top_k, depth, total_tokens, vocab=config.readout_size,

@@ -124,7 +124,7 @@ static void block_rows(const float *x, const uint16_t *w, const float *bias, flo
  * with zeros past K, then the 16 lanes folded in one fixed tree (sums4: four outputs at once). A given CPU gives each row the
  * same bits alone or among others, as on the AVX2 road; the two roads differ from each other in
  * the last bits, so a process keeps one (treespec_set_isa, called once at load). */
-enum { ISA_AVX2 = 0, ISA_AVX512_BF16 = 2 };
+enum { ISA_AVX2 = 0, ISA_AVX512_BF16 = 2, ISA_AMX = 3 };
 static int g_isa = ISA_AVX2;
 
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
@@ -201,7 +201,182 @@ BF16_TARGET static void block_rows_bf16(const uint16_t *x, const uint16_t *w, co
     for (; m < m1; m++) columns_bf16(x + m * K, w, bias, y + m * N, N, K, 1, C, m == m0 ? next : 0);
 }
 
-/* The road this process takes: ISA_AVX2 or ISA_AVX512_BF16 (the caller has checked the CPU). */
+/* The AMX road (Sapphire Rapids and later Xeons): tdpbf16ps multiplies a 16 x 32 bf16 tile by a
+ * 32 x 16 one into 16 x 16 fp32 accumulators, 16,384 flops per instruction, ~16x the AVX512-BF16
+ * road's arithmetic per cycle, so a tree step's 8-32 rows cost about what one row costs: reading
+ * the weight. The weight is the tile's A operand as it lies in memory (16 weight rows by 32
+ * columns, the nn.Linear layout: nothing is repacked); x is the B operand, packed per step into
+ * AMX's pair layout (xp: per chunk of 16 rows of x, per block of 32 columns, 16 pairs by 16 rows,
+ * zeros past M and K). The accumulators hold y^T: C[n][m] += W[n][2p..2p+1] . x[m][2p..2p+1].
+ *
+ * Batch invariance: every output is accumulated by one tdpbf16ps per block of 32 columns in
+ * increasing k, and the instruction computes each element from its own row of A and column of B
+ * only (the ISA's definition), so a row of x gives the same bits alone (padded to 16 columns
+ * with zeros) or among 15 others. Partial tiles (K % 32, N % 16) go through zero-padded copies,
+ * so the sequence is the same there too. Linux hands out the tiles' 8 KB of state only to a
+ * process that asks (treespec_amx_permit), and each thread configures its tiles when it starts
+ * its share and releases them after, so the kernels never rely on what other code left in
+ * them (PyTorch's oneDNN uses AMX too). */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+enum { AMX_BLOCKS = 3 }; /* weight blocks of 16 rows per group: accumulators in tiles 0-2, x in 4, weights in 5-7 */
+
+/* 0 when Linux lets this process use AMX's tiles (asking is idempotent), -1 when it refuses. */
+int treespec_amx_permit(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+AMX_TARGET static void amx_configure(void) { /* tiles 0-7: 16 rows of 64 bytes each */
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* x [M, K] bf16 into AMX's pair layout: xp[((c * KB + kb) * 16 + p) * 16 + j] holds the pair
+ * x[16c + j][32 kb + 2p .. + 1] (uint32), zeros past M and K. */
+static void amx_pack(const uint16_t *x, int64_t M, int64_t K, uint32_t *xp) {
+    const int64_t KB = (K + 31) / 32, chunks = (M + 15) / 16;
+    memset(xp, 0, sizeof(uint32_t) * chunks * KB * 256);
+    for (int64_t m = 0; m < M; m++) {
+        uint32_t *column = xp + (m / 16) * KB * 256 + (m % 16);
+        const uint16_t *row = x + m * K;
+        int64_t k = 0;
+        for (; k + 2 <= K; k += 2) {
+            uint32_t pair;
+            memcpy(&pair, row + k, sizeof pair);
+            column[(k / 32) * 256 + ((k % 32) / 2) * 16] = pair;
+        }
+        if (k < K) column[(k / 32) * 256 + ((k % 32) / 2) * 16] = row[k]; /* an odd K: the pair's upper half 0 */
+    }
+}
+
+/* The weight rows of one block for column block kb where a tile cannot read them in place
+ * (fewer than 16 rows left, or the last K % 32 columns): a zero-padded 16 x 32 copy. */
+static const uint16_t *amx_padded(const uint16_t *w, int64_t rows, int64_t K, int64_t kb, uint16_t *scratch) {
+    memset(scratch, 0, 16 * 32 * sizeof(uint16_t));
+    const int64_t cols = K - 32 * kb < 32 ? K - 32 * kb : 32;
+    for (int64_t r = 0; r < rows && r < 16; r++) memcpy(scratch + r * 32, w + r * K + 32 * kb, cols * sizeof(uint16_t));
+    return scratch;
+}
+
+/* One weight block (tile `acc`) times x's chunk at column block kb; `in_place` when all 16 rows
+ * and 32 columns lie in the weight. */
+#define AMX_LOAD(wtile, block)                                                                            \
+    do {                                                                                                   \
+        const uint16_t *wb = w + (int64_t)(block) * 16 * K;                                               \
+        if (in_place && rows_left >= 16 * ((block) + 1))                                                  \
+            _tile_loadd(wtile, wb + 32 * kb, K * 2);                                                       \
+        else                                                                                               \
+            _tile_loadd(wtile, amx_padded(wb, rows_left - 16 * (block), K, kb, scratch[block]), 64);      \
+    } while (0)
+
+/* One accumulator tile (acc [16 n][16 m] fp32, y^T) into y [m][n] (row stride N): its first
+ * `rows` weight rows for the first `cols` rows of x, plus the bias (fp32, or NULL). The 16 x 16
+ * transpose swaps the off-diagonal b x b blocks of every 2b x 2b block for b = 8, 4, 2, 1. */
+AMX_TARGET static void amx_write_back(const float *acc, int64_t rows, int64_t cols, const float *bias, float *y,
+                                      int64_t N) {
+    __m512 t[16];
+    for (int r = 0; r < 16; r++) t[r] = _mm512_loadu_ps(acc + 16 * r);
+    for (int b = 8; b >= 1; b /= 2) {
+        int lo[16], hi[16];
+        for (int e = 0; e < 16; e++) {
+            lo[e] = e & b ? 16 + e - b : e;
+            hi[e] = e & b ? 16 + e : e + b;
+        }
+        const __m512i ilo = _mm512_loadu_si512(lo), ihi = _mm512_loadu_si512(hi);
+        for (int r = 0; r < 16; r++)
+            if (!(r & b)) {
+                const __m512 a = t[r], c = t[r + b];
+                t[r] = _mm512_permutex2var_ps(a, ilo, c);
+                t[r + b] = _mm512_permutex2var_ps(a, ihi, c);
+            }
+    }
+    const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+    const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int64_t j = 0; j < cols; j++)
+        _mm512_mask_storeu_ps(y + j * N, keep, bias ? _mm512_add_ps(t[j], add) : t[j]);
+}
+
+/* `blocks` (1-4) consecutive blocks of 16 weight rows (rows_left rows remain from w) against one
+ * packed chunk of 16 rows of x: C tiles to acc [blocks * 16, 16] fp32, acc[n][m] = y[m][n]. */
+AMX_TARGET static void amx_group(const uint16_t *w, int64_t rows_left, int64_t K, const uint32_t *xp, int blocks,
+                                 float *acc, uint16_t (*scratch)[16 * 32]) {
+    const int64_t KB = (K + 31) / 32;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const int in_place = 32 * kb + 32 <= K;
+        AMX_LOAD(5, 0); /* the weight tiles' loads first: three reads from memory in flight */
+        if (blocks > 1) AMX_LOAD(6, 1);
+        if (blocks > 2) AMX_LOAD(7, 2);
+        _tile_loadd(4, xp + kb * 256, 64);
+        _tile_dpbf16ps(0, 5, 4);
+        if (blocks > 1) _tile_dpbf16ps(1, 6, 4);
+        if (blocks > 2) _tile_dpbf16ps(2, 7, 4);
+    }
+    _tile_stored(0, acc, 64);
+    if (blocks > 1) _tile_stored(1, acc + 256, 64);
+    if (blocks > 2) _tile_stored(2, acc + 512, 64);
+}
+
+/* linear_share on the AMX road: thread `me` takes a contiguous range of the matrices' blocks of
+ * 16 weight rows (matrix i owns blocks first_block[i] .. first_block[i+1]-1), groups of up to
+ * four at a time, each against every chunk of 16 rows of x. xp is this thread's buffer for the
+ * packed x ((M+15)/16 * (K+31)/32 * 256 pairs). */
+AMX_TARGET static void amx_share(int64_t me, int64_t threads, const uint16_t *xb, int64_t M, int64_t K, int count,
+                                 const uint16_t *const *w, const float *const *bias, float *const *y,
+                                 const int64_t *N, const int64_t *first_block, uint32_t *xp) {
+    const int64_t blocks = first_block[count], KB = (K + 31) / 32, chunks = (M + 15) / 16;
+    const int64_t b0 = blocks * me / threads, b1 = blocks * (me + 1) / threads;
+    if (b0 >= b1) return;
+    float acc[AMX_BLOCKS * 256];
+    uint16_t scratch[AMX_BLOCKS][16 * 32];
+    amx_pack(xb, M, K, xp);
+    amx_configure();
+    int i = 0;
+    for (int64_t b = b0; b < b1;) {
+        while (b >= first_block[i + 1]) i++;
+        const int64_t end = b1 < first_block[i + 1] ? b1 : first_block[i + 1];
+        const int group = end - b < AMX_BLOCKS ? (int)(end - b) : AMX_BLOCKS;
+        const int64_t n = 16 * (b - first_block[i]), rows_left = N[i] - n;
+        const uint16_t *wg = w[i] + n * K;
+        for (int64_t c = 0; c < chunks; c++) {
+            amx_group(wg, rows_left, K, xp + c * KB * 256, group, acc, scratch);
+            const int64_t cols = M - 16 * c < 16 ? M - 16 * c : 16;
+            for (int blk = 0; blk < group && 16 * blk < rows_left; blk++) {
+                const int64_t rows = rows_left - 16 * blk < 16 ? rows_left - 16 * blk : 16, at = n + 16 * blk;
+                amx_write_back(acc + 256 * blk, rows, cols, bias[i] ? bias[i] + at : 0, y[i] + 16 * c * N[i] + at, N[i]);
+            }
+        }
+        b += group;
+    }
+    _tile_release();
+}
+
+static void block_offsets(int count, const int64_t *N, int64_t *first_block) {
+    first_block[0] = 0;
+    for (int i = 0; i < count; i++) first_block[i + 1] = first_block[i] + (N[i] + 15) / 16;
+}
+
+/* The packed x a thread needs on the AMX road for M rows of K columns (in pairs). */
+static int64_t amx_pack_size(int64_t M, int64_t K) { return (M + 15) / 16 * ((K + 31) / 32) * 256; }
+
+/* The road this process takes: ISA_AVX2, ISA_AVX512_BF16 or ISA_AMX (the caller has checked the
+ * CPU, and for AMX that the OS permits it). */
 void treespec_set_isa(int isa) { g_isa = isa; }
 int treespec_get_isa(void) { return g_isa; }
 
@@ -239,7 +414,13 @@ static inline __m256 widen_rounded8(__m256 v) { return _mm256_castsi256_ps(_mm25
  * by blocks of ROW_BLOCK rows. y_i are fp32 [M, N_i]; biases fp32 (each may be NULL). */
 static void linear_share(int64_t me, int64_t threads, const float *x, const uint16_t *xb, int64_t M, int64_t K,
                          int count, const uint16_t *const *w, const float *const *bias, float *const *y,
-                         const int64_t *N, const int64_t *first_quad) {
+                         const int64_t *N, const int64_t *first_quad, uint32_t *xp) {
+    if (g_isa == ISA_AMX && xb) { /* xp: this thread's amx_pack_size(M, K) pairs */
+        int64_t first_block[count + 1];
+        block_offsets(count, N, first_block);
+        amx_share(me, threads, xb, M, K, count, w, bias, y, N, first_block, xp);
+        return;
+    }
     const int bf16 = g_isa == ISA_AVX512_BF16 && xb;
     const int64_t quads = first_quad[count];
     const int64_t q0 = quads * me / threads, q1 = quads * (me + 1) / threads;
@@ -270,11 +451,14 @@ static void quad_offsets(int count, const int64_t *N, int64_t *first_quad) {
 int treespec_linear_bf16_many(const void *x_in, int x_bf16, int count, const uint16_t *const *w,
                               const uint16_t *const *bias_in, void *const *y_out, int y_bf16, int64_t M,
                               const int64_t *N, int64_t K) {
-    const uint16_t *xb = x_bf16 ? x_in : 0; /* the bf16 road reads it as it is */
-    const int widen = x_bf16 && g_isa != ISA_AVX512_BF16;
+    const uint16_t *xb = x_bf16 ? x_in : 0; /* the bf16 roads read it as it is */
+    const int widen = x_bf16 && g_isa == ISA_AVX2;
     float *x = widen ? malloc(sizeof(float) * M * K) : (float *)x_in;
     float *y[count], *bias[count];
-    int failed = widen && !x;
+    const int team = omp_get_max_threads();
+    const int64_t pack = g_isa == ISA_AMX && xb ? amx_pack_size(M, K) : 0;
+    uint32_t *xp = pack ? malloc(sizeof(uint32_t) * pack * team) : 0;
+    int failed = (widen && !x) || (pack && !xp);
     for (int i = 0; i < count; i++) {
         y[i] = !y_bf16 ? (float *)y_out[i] : failed ? 0 : malloc(sizeof(float) * M * N[i]);
         bias[i] = bias_in[i] && !failed ? malloc(sizeof(float) * N[i]) : 0;
@@ -282,6 +466,7 @@ int treespec_linear_bf16_many(const void *x_in, int x_bf16, int count, const uin
     }
     if (failed) { /* nothing computed, nothing left allocated */
         if (widen) free(x);
+        free(xp);
         for (int i = 0; i < count; i++) {
             if (y_bf16) free(y[i]);
             free(bias[i]);
@@ -295,20 +480,29 @@ int treespec_linear_bf16_many(const void *x_in, int x_bf16, int count, const uin
     for (int i = 0; i < count; i++)
         if (bias[i])
             for (int64_t n = 0; n < N[i]; n++) bias[i][n] = widen_one(bias_in[i][n]);
-#pragma omp parallel
+#pragma omp parallel num_threads(team)
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        linear_share(me, threads, x, xb, M, K, count, w, (const float *const *)bias, y, N, first_quad);
+        linear_share(me, threads, x, xb, M, K, count, w, (const float *const *)bias, y, N, first_quad,
+                     xp ? xp + me * pack : 0);
         if (y_bf16) {
 #pragma omp barrier
             for (int i = 0; i < count; i++) {
                 uint16_t *out = y_out[i];
                 const int64_t size = M * N[i];
-                for (int64_t e = size * me / threads; e < size * (me + 1) / threads; e++) out[e] = round_bf16(y[i][e]);
+                const int64_t e0 = size * me / threads, e1 = size * (me + 1) / threads;
+                int64_t e = e0;
+                for (; e + 8 <= e1; e += 8) { /* round_bf16 on eight lanes: the same bits */
+                    const __m256i r = round_bf16x8(_mm256_loadu_ps(y[i] + e));
+                    _mm_storeu_si128((__m128i *)(out + e),
+                                     _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08)));
+                }
+                for (; e < e1; e++) out[e] = round_bf16(y[i][e]);
             }
         }
     }
     if (widen) free(x);
+    free(xp);
     for (int i = 0; i < count; i++) {
         if (y_bf16) free(y[i]);
         free(bias[i]);
@@ -655,8 +849,11 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
     uint16_t *xb = malloc(sizeof(uint16_t) * T * widest_in); /* the same input in bf16 (AVX512-BF16 road) */
     uint16_t *qb = malloc(sizeof(uint16_t) * T * QD), *attn = malloc(sizeof(uint16_t) * T * QD);
     const int team = omp_get_max_threads();
-    attention_scratch *pool = x && xb && y && qb && attn ? scratch_pool(L, D, team) : 0;
+    const int64_t pack = g_isa == ISA_AMX ? amx_pack_size(T, widest_in) : 0;
+    uint32_t *xp = pack ? malloc(sizeof(uint32_t) * pack * team) : 0;
+    attention_scratch *pool = x && xb && y && qb && attn && (xp || !pack) ? scratch_pool(L, D, team) : 0;
     if (!pool) { /* nothing computed, nothing left allocated */
+        free(xp);
         free(x);
         free(xb);
         free(y);
@@ -677,6 +874,7 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t r0 = T * me / threads, r1 = T * (me + 1) / threads;
         const attention_scratch s = pool[me];
+        uint32_t *my_xp = xp ? xp + me * pack : 0;
         for (int64_t layer = 0; layer < num_layers; layer++) {
             const void *const *lw = weights + layer * W_COUNT;
             uint16_t *kc = k_cache + layer * layer_cache, *vc = v_cache + layer * layer_cache;
@@ -685,7 +883,7 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
             MARK(0);
             const uint16_t *w_qkv[3] = {lw[W_Q], lw[W_K], lw[W_V]};
             const float *b_qkv[3] = {lw[W_Q_BIAS], lw[W_K_BIAS], lw[W_V_BIAS]};
-            linear_share(me, threads, x, xb, T, H, 3, w_qkv, b_qkv, y_qkv, n_qkv, fq_qkv);
+            linear_share(me, threads, x, xb, T, H, 3, w_qkv, b_qkv, y_qkv, n_qkv, fq_qkv, my_xp);
 #pragma omp barrier
             MARK(1);
             /* rotary on q and k, K/V into the cache: one (row, head) item at a time */
@@ -708,7 +906,7 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
                             Hq, Hkv, L, D, sm_scale, s);
 #pragma omp barrier
             MARK(3);
-            if (g_isa != ISA_AVX512_BF16) {
+            if (g_isa == ISA_AVX2) {
                 for (int64_t e = (T * QD) * me / threads; e < (T * QD) * (me + 1) / threads; e++)
                     x[e] = widen_one(attn[e]);
 #pragma omp barrier
@@ -716,7 +914,7 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
             }
             const uint16_t *w_o[1] = {lw[W_O]};
             const float *no_bias[2] = {0, 0};
-            linear_share(me, threads, x, attn, T, QD, 1, w_o, no_bias, y_h, n_h, fq_h);
+            linear_share(me, threads, x, attn, T, QD, 1, w_o, no_bias, y_h, n_h, fq_h, my_xp);
 #pragma omp barrier
             MARK(5);
             for (int64_t e = T * H * me / threads; e < T * H * (me + 1) / threads; e++)
@@ -727,7 +925,7 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
 #pragma omp barrier
             MARK(7);
             const uint16_t *w_gu[2] = {lw[W_GATE], lw[W_UP]};
-            linear_share(me, threads, x, xb, T, H, 2, w_gu, no_bias, y_gu, n_gu, fq_gu);
+            linear_share(me, threads, x, xb, T, H, 2, w_gu, no_bias, y_gu, n_gu, fq_gu, my_xp);
 #pragma omp barrier
             MARK(8);
             {
@@ -760,7 +958,7 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
 #pragma omp barrier
             MARK(9);
             const uint16_t *w_d[1] = {lw[W_DOWN]};
-            linear_share(me, threads, x, xb, T, I, 1, w_d, no_bias, y_h, n_h, fq_down);
+            linear_share(me, threads, x, xb, T, I, 1, w_d, no_bias, y_h, n_h, fq_down, my_xp);
 #pragma omp barrier
             MARK(10);
             for (int64_t e = T * H * me / threads; e < T * H * (me + 1) / threads; e++) {
@@ -775,6 +973,7 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
         MARK(12);
     }
     scratch_pool_free(pool, team);
+    free(xp);
     free(x);
     free(xb);
     free(y);
@@ -785,7 +984,8 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
 
 /* The arithmetic peak of a road, for the kernel micro-benchmark (scripts/bench_cpu_kernels.py):
  * every thread runs twelve independent chains of fp32 FMAs (AVX2: 16 flops each) or of bf16 dot
- * products (AVX512-BF16: 64 flops each) from registers, `iterations` times. Returns flops per
+ * products (AVX512-BF16: 64 flops each) from registers, `iterations` times, or on the AMX road
+ * four chains of tile products (16,384 flops each) iterations / 64 times. Returns flops per
  * second over all threads. */
 BF16_TARGET static double peak_bf16(int64_t iterations) {
     __m512 acc[12];
@@ -799,6 +999,27 @@ BF16_TARGET static double peak_bf16(int64_t iterations) {
         sink += dots[0] + dots[1] + dots[2] + dots[3];
     }
     return sink;
+}
+
+AMX_TARGET static double peak_amx(int64_t iterations) { /* four independent accumulator tiles */
+    static const uint16_t ones[16 * 32] = {0};
+    float out[256];
+    amx_configure();
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, ones, 64);
+    _tile_loadd(5, ones, 64);
+    for (int64_t n = 0; n < iterations; n++) {
+        _tile_dpbf16ps(0, 5, 4);
+        _tile_dpbf16ps(1, 5, 4);
+        _tile_dpbf16ps(2, 5, 4);
+        _tile_dpbf16ps(3, 5, 4);
+    }
+    _tile_stored(0, out, 64);
+    _tile_release();
+    return out[0];
 }
 
 static double peak_fma(int64_t iterations) {
@@ -822,11 +1043,12 @@ double treespec_peak_flops(int isa, int64_t iterations) {
 #pragma omp barrier
 #pragma omp master
         start = omp_get_wtime();
-        sink += isa == ISA_AVX512_BF16 ? peak_bf16(iterations) : peak_fma(iterations);
+        sink += isa == ISA_AMX ? peak_amx(iterations / 64) : isa == ISA_AVX512_BF16 ? peak_bf16(iterations) : peak_fma(iterations);
 #pragma omp barrier
 #pragma omp master
         seconds = omp_get_wtime() - start;
     }
     if (sink == -1.0) return 0.0; /* keeps the chains live */
+    if (isa == ISA_AMX) return (double)threads * (double)(iterations / 64) * 4.0 * 16384.0 / seconds;
     return (double)threads * (double)iterations * 12.0 * (isa == ISA_AVX512_BF16 ? 64.0 : 16.0) / seconds;
 }

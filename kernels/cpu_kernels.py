@@ -48,14 +48,50 @@ def _cpu_flags() -> set[str]:
 
 # The instruction-set roads of the linear kernel, slowest first, and the CPU flags each needs. The
 # roads differ in their last bits (each is batch-invariant on its own), so a process takes one.
-ISAS = {"avx2": 0, "avx512bf16": 2}
-ISA_FLAGS = {"avx2": {"avx2", "fma"}, "avx512bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}}
+ISAS = {"avx2": 0, "avx512bf16": 2, "amx": 3}
+_BF16_FLAGS = {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}
+ISA_FLAGS = {
+    "avx2": {"avx2", "fma"},
+    "avx512bf16": _BF16_FLAGS,
+    "amx": _BF16_FLAGS | {"amx_tile", "amx_bf16"},
+}
+
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux
+
+
+@functools.lru_cache(maxsize=1)
+def amx_refusal() -> str | None:
+    """Why this process may not use AMX's tiles, or None when Linux has granted them (it hands
+    their 8 KB of state only to a process that asks; asking again is harmless)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"AMX needs x86-64 Linux, this is {platform.system()} {platform.machine()}"
+    missing = ISA_FLAGS["amx"] - _cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        return f"Linux refused the AMX tile state (arch_prctl errno {ctypes.get_errno()})"
+    return None
+
+
+def roads() -> list[str]:
+    """The roads this machine can take, slowest first: the CPU has their instructions and, for
+    AMX, the OS grants its tiles."""
+    flags = _cpu_flags()
+    return [
+        name
+        for name, needs in ISA_FLAGS.items()
+        if needs <= flags and (name != "amx" or amx_refusal() is None)
+    ]
 
 
 def best_isa(flags: set[str] | None = None) -> str | None:
-    """The fastest road this CPU has (None: not even AVX2 and FMA)."""
+    """The fastest road this CPU has (None: not even AVX2 and FMA); AMX only where the OS grants
+    its tiles."""
     flags = _cpu_flags() if flags is None else flags
     roads = [name for name, needs in ISA_FLAGS.items() if needs <= flags]
+    if roads and roads[-1] == "amx" and amx_refusal() is not None:
+        roads.pop()
     return roads[-1] if roads else None
 
 
@@ -89,6 +125,8 @@ def set_isa(name: str) -> str:
     missing = ISA_FLAGS[name] - _cpu_flags()
     if missing:
         raise ValueError(f"the {name} road needs {', '.join(sorted(missing))}, which this CPU lacks")
+    if name == "amx" and (reason := amx_refusal()) is not None:
+        raise ValueError(f"the amx road is not available here: {reason}")
     previous = isa()
     _load()[0].treespec_set_isa(ISAS[name])
     return previous
@@ -185,7 +223,7 @@ def load_library(
     )
     lib.treespec_decoder_bf16.restype = ctypes.c_int
     lib.treespec_set_isa.argtypes = [ctypes.c_int]
-    lib.treespec_set_isa(ISAS[_chosen_isa()])
+    lib.treespec_set_isa(ISAS[_chosen_isa()])  # _chosen_isa asked Linux for AMX's tiles where it picks amx
     return lib, ""
 
 
@@ -358,8 +396,9 @@ def decoder_bf16(
 
 def peak_flops(road: str, iterations: int = 20_000_000) -> float:
     """Measured arithmetic peak of a road over all threads (flops/s): twelve independent chains
-    per thread of fp32 FMAs (avx2) or bf16 dot products (avx512bf16), from registers."""
-    if road not in ISAS or ISA_FLAGS[road] - _cpu_flags():
+    per thread of fp32 FMAs (avx2) or bf16 dot products (avx512bf16), or four of AMX tile
+    products (amx), from registers."""
+    if road not in roads():
         raise ValueError(f"no {road!r} road on this CPU (roads: {', '.join(ISAS)})")
     return _load()[0].treespec_peak_flops(ISAS[road], iterations)
 

@@ -131,7 +131,7 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, measured read bandwidth {bandwidth / 1e9:.1f} GB/s")
     chosen = cpu_kernels.isa()
     try:
-        for road in [r for r, needs in cpu_kernels.ISA_FLAGS.items() if needs <= cpu_kernels._cpu_flags()]:
+        for road in cpu_kernels.roads():
             cpu_kernels.set_isa(road)
             peak = cpu_kernels.peak_flops(road)
             print(f"\n{road}: arithmetic peak {peak / 1e9:.0f} GFLOP/s")

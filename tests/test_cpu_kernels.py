@@ -21,9 +21,24 @@ from treespec.target import Target
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
 
 
+@pytest.fixture(params=list(cpu_kernels.ISAS))
+def road(request):
+    """Each instruction road, forced for the test and switched back; skipped where this machine
+    lacks it (the CPU's instructions, or for AMX the OS's grant of its tiles)."""
+    if not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    if request.param not in cpu_kernels.roads():
+        pytest.skip(f"this machine has no {request.param} road (roads: {', '.join(cpu_kernels.roads())})")
+    previous = cpu_kernels.set_isa(request.param)
+    yield request.param
+    cpu_kernels.set_isa(previous)
+
+
 @needs_kernels
 @pytest.mark.parametrize("shape", [(40, 48), (7, 13), (5, 8), (130, 200)])  # K and N tails, odd sizes
-def test_linear_matches_float64_and_is_batch_invariant(shape):
+def test_linear_matches_float64_and_is_batch_invariant(shape, road):
+    """On every road, 37 rows (AMX: two full chunks of 16 and a partial one) against weights with
+    row and column tails: close to float64, and each row's bits the same in any batch."""
     torch.manual_seed(0)
     n, k = shape
     weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
@@ -287,56 +302,40 @@ def test_batch_invariant_tree_logits_equal_the_autoregressive_steps_bit_for_bit(
 
 
 @needs_kernels
-@pytest.mark.parametrize("road", list(cpu_kernels.ISAS))
 def test_bit_equality_sees_the_order_of_a_sum(road):
     """The negative control of every bit-for-bit test here, different by construction: one dot
-    product whose terms sit in one accumulator lane (k = 0, 32, 64, 96 on both roads) as 256,
-    -256, 2^-20, 2^-20. In increasing k the big terms cancel first and the small ones survive
+    product whose terms sit in one accumulator lane (k = 0, 32, 64, 96: on AMX one element of
+    four successive tile products) as 256, -256, 2^-20, 2^-20. In increasing k the big terms cancel first and the small ones survive
     (2^-19); with k reversed the small ones are absorbed by -256 (below half its ulp) and the
     result is 0. A kernel that summed a row in any other order would fail one of the two."""
-    missing = cpu_kernels.ISA_FLAGS[road] - cpu_kernels._cpu_flags()
-    if missing:
-        pytest.skip(f"this CPU lacks {', '.join(sorted(missing))} for the {road} road")
     terms = torch.zeros(128)
     terms[[0, 32, 64, 96]] = torch.tensor([256.0, -256.0, 2.0**-20, 2.0**-20])
     weight = (terms != 0).to(torch.bfloat16)[None]
-    previous = cpu_kernels.set_isa(road)
-    try:
-        for dtype in (torch.bfloat16, torch.float32):
-            x = terms.to(dtype)[None]
-            assert cpu_kernels.linear_bf16(x, weight).item() == 2.0**-19
-            assert cpu_kernels.linear_bf16(x.flip(-1), weight.flip(-1)).item() == 0.0
-    finally:
-        cpu_kernels.set_isa(previous)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = terms.to(dtype)[None]
+        assert cpu_kernels.linear_bf16(x, weight).item() == 2.0**-19
+        assert cpu_kernels.linear_bf16(x.flip(-1), weight.flip(-1)).item() == 0.0
 
 
 @needs_kernels
-@pytest.mark.parametrize("road", list(cpu_kernels.ISAS))
 def test_a_kernel_that_cannot_allocate_its_buffers_raises_instead_of_aborting(road):
     """Sizes whose work buffers exceed any address space (2^56 bytes): the C entry points return
     before computing anything, and Python raises MemoryError naming what was asked (the process
     lives on, and the kernels still work after)."""
-    missing = cpu_kernels.ISA_FLAGS[road] - cpu_kernels._cpu_flags()
-    if missing:
-        pytest.skip(f"this CPU lacks {', '.join(sorted(missing))} for the {road} road")
-    previous = cpu_kernels.set_isa(road)
-    try:
-        x, weight = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)
-        y = torch.empty(4, 4, dtype=torch.bfloat16)
-        lib = cpu_kernels._load()[0]
-        rows = 2**52  # y's fp32 scratch (and the AVX2 road's widened x): 2^56 bytes
-        code = lib.treespec_linear_bf16(x.data_ptr(), 1, weight.data_ptr(), None, y.data_ptr(), 1, rows, 4, 8)
-        assert code == cpu_kernels.NO_MEMORY
-        q = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
-        cache = torch.zeros(8, dtype=torch.bfloat16).as_strided(
-            (1, 1, 2**52, 8), (0, 0, 0, 1)
-        )  # claims 2^52 positions
-        one = torch.zeros(1, dtype=torch.long)
-        with pytest.raises(MemoryError, match="tree attention over a cache of 4503599627370496 positions"):
-            cpu_kernels.tree_attention_bf16(q, cache, cache, one, one, one, one + 1, None, 0.5)
-        assert torch.equal(cpu_kernels.linear_bf16(x, weight), torch.zeros(4, 4, dtype=torch.bfloat16))
-    finally:
-        cpu_kernels.set_isa(previous)
+    x, weight = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)
+    y = torch.empty(4, 4, dtype=torch.bfloat16)
+    lib = cpu_kernels._load()[0]
+    rows = 2**52  # y's fp32 scratch (and the AVX2 road's widened x): 2^56 bytes
+    code = lib.treespec_linear_bf16(x.data_ptr(), 1, weight.data_ptr(), None, y.data_ptr(), 1, rows, 4, 8)
+    assert code == cpu_kernels.NO_MEMORY
+    q = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+    cache = torch.zeros(8, dtype=torch.bfloat16).as_strided(
+        (1, 1, 2**52, 8), (0, 0, 0, 1)
+    )  # claims 2^52 positions
+    one = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(MemoryError, match="tree attention over a cache of 4503599627370496 positions"):
+        cpu_kernels.tree_attention_bf16(q, cache, cache, one, one, one, one + 1, None, 0.5)
+    assert torch.equal(cpu_kernels.linear_bf16(x, weight), torch.zeros(4, 4, dtype=torch.bfloat16))
 
 
 @needs_kernels

@@ -21,7 +21,7 @@ from treespec.proposers import NgramProposer
 from treespec.target import Target
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
-ROADS = [name for name, needs in cpu_kernels.ISA_FLAGS.items() if needs <= cpu_kernels._cpu_flags()]
+ROADS = cpu_kernels.roads()
 
 
 @pytest.fixture(params=ROADS)
@@ -121,14 +121,16 @@ def test_the_road_can_be_capped_and_a_missing_one_is_refused(monkeypatch):
     run = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, check=True)
     assert run.stdout.strip() == cpu_kernels.best_isa()
     monkeypatch.setenv("TREESPEC_CPU_ISA", "sse2")
-    with pytest.raises(ValueError, match="TREESPEC_CPU_ISA must be one of avx2, avx512bf16, got 'sse2'"):
+    with pytest.raises(ValueError, match="TREESPEC_CPU_ISA must be one of avx2, avx512bf16, amx, got 'sse2'"):
         cpu_kernels._chosen_isa()
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma"})
     assert cpu_kernels.best_isa() == "avx2"
     with pytest.raises(ValueError, match="the avx512bf16 road needs avx512_bf16, avx512bw, avx512f"):
         cpu_kernels.set_isa("avx512bf16")
-    with pytest.raises(ValueError, match="roads are avx2, avx512bf16, got 'amx'"):
+    with pytest.raises(ValueError, match="the amx road needs amx_bf16, amx_tile, avx512_bf16"):
         cpu_kernels.set_isa("amx")
+    with pytest.raises(ValueError, match="roads are avx2, avx512bf16, amx, got 'sse2'"):
+        cpu_kernels.set_isa("sse2")
 
 
 def _env() -> dict[str, str]:

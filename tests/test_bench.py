@@ -22,7 +22,8 @@ from treespec.heads.draft import make_draft, save_draft
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
 from treespec.prompts import read_prompt_records
 
-KEYS = {"name", "tokens_per_s", "speedup_vs_hf", "mean_accepted_tokens", "identical_to_reference", "stage_ms"}
+KEYS = {"name", "tokens_per_s", "speedup_vs_hf", "speedup_vs_none", "mean_accepted_tokens", "identical_to_reference",
+        "stage_ms"}  # fmt: skip
 
 
 def tiny_model_folder(path):
@@ -75,7 +76,8 @@ def test_cli_runs_every_method_and_baseline_end_to_end(tmp_path, capfd):
     assert [n.getMessage() for n in notices] == []
     printed = capfd.readouterr()
     assert "legend: tok/s new tokens per second" in printed.out
-    assert "summary: fastest " in printed.out
+    assert "summary: fastest " in printed.out and "best speculative method " in printed.out
+    assert "speedup vs none per category: copy, free" in printed.out
     assert "treespec's methods kept the target's output on all 3 prompts" in printed.out
     assert "the baselines kept the target's output on all 3 prompts" in printed.out
     assert printed.out.startswith("treespec bench: importing torch")
@@ -252,3 +254,42 @@ def test_bench_help_shows_every_default(capsys):
         assert "(default: " in entry, entry
     assert any("(default: bench_results/bench.json)" in e for e in entries)
     assert any(e.startswith("--proposer") and e.endswith("(default: all)") for e in entries)
+
+
+def test_every_method_is_set_against_plain_decoding_beside_hf():
+    """`vs none` is each method's speed over treespec's own plain decoding in the same run, in the
+    JSON (overall and per category), the table and the summary, which names the best and the
+    slowest speculative method: a method below plain decoding reads below 1.00x there even when it
+    is far above HF."""
+    from treespec.benchmark import SPEEDUP_BASES, _speedups, summary_line
+
+    def entry(name, kind, rates):
+        return {"name": name, "kind": kind, "tokens_per_s": sum(rates.values()) / 2,
+                "per_category": {c: {"tokens_per_s": r} for c, r in rates.items()}}  # fmt: skip
+
+    methods = [entry("hf", "baseline", {"a": 10.0, "b": 20.0}), entry("none", "treespec", {"a": 40.0, "b": 80.0}),
+               entry("eagle", "treespec", {"a": 60.0, "b": 60.0}), entry("draft", "treespec", {"a": 36.0, "b": 72.0})]  # fmt: skip
+    for base in SPEEDUP_BASES:
+        _speedups(methods, base)
+    hf, none, eagle, draft = methods
+    assert none["speedup_vs_none"] == 1.0 and hf["speedup_vs_none"] == 15.0 / 60.0
+    assert eagle["speedup_vs_none"] == 1.0 and eagle["per_category"]["a"]["speedup_vs_none"] == 1.5
+    assert draft["speedup_vs_hf"] == 54.0 / 15.0 and draft["speedup_vs_none"] == 0.9
+    report = {"methods": methods, "categories": ["a", "b"], "config": {"temperature": 1.0, "dtype": "bf16"}}
+    table = format_report(report)
+    assert table.splitlines()[0].split()[:5] == ["method", "tok/s", "vs", "hf", "vs"]
+    draft_row = next(line for line in table.splitlines() if line.startswith("draft"))
+    assert draft_row.split()[1:4] == ["54.0", "3.60x", "0.90x"]
+    assert "speedup vs none per category: a, b" in table
+    assert summary_line(report).endswith(
+        "best speculative method eagle at 1.00x plain decoding, slowest draft at 0.90x; output identity not checked"
+        " (sampling)"
+    )
+    without_none = [m for m in methods if m["name"] != "none"]
+    for m in without_none:
+        for key in ("speedup_vs_none", "speedup_vs_hf"):
+            m.pop(key)
+            for values in m["per_category"].values():
+                values.pop(key)
+    _speedups(without_none, "none")  # no plain decoding in the run: no ratio to it, no crash
+    assert all("speedup_vs_none" not in m for m in without_none)

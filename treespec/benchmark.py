@@ -435,7 +435,6 @@ def category_batches(categories: list[str], batch_size: int) -> list[list[int]]:
 def summarise(config, components, pairs, encoded, results, order) -> dict:
     new = config.max_new_tokens
     reference = {i: toks for r in results["none"] for i, toks in zip(r["prompts"], r["tokens"], strict=True)}
-    hf_rate = None
     methods = []
     gaps: dict = {}  # first_divergence's memo, shared by all methods
     params = SamplingParams(repetition_penalty=config.repetition_penalty)  # the processors every method ran
@@ -493,18 +492,28 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
             entry["mismatches"] = mismatches
         else:
             entry["identical_to_reference"] = None  # sampling: the same distribution, not the same tokens
-        if name == "hf":
-            hf_rate = entry
         methods.append(entry)
-    if hf_rate is not None:
-        for entry in methods:
-            entry["speedup_vs_hf"] = entry["tokens_per_s"] / hf_rate["tokens_per_s"]
-            for category, values in entry["per_category"].items():
-                values["speedup_vs_hf"] = (
-                    values["tokens_per_s"] / hf_rate["per_category"][category]["tokens_per_s"]
-                )
+    for base in SPEEDUP_BASES:
+        _speedups(methods, base)
     return {"config": {k: v for k, v in asdict(config).items()}, "categories": categories, "methods": methods,
             "prompts": len(pairs), "near_tie_gap": config.near_tie_gap}  # fmt: skip
+
+
+# What every method's speed is set against, where it ran: HF generate, and treespec's own plain
+# decoding (a speculative method below 1.00x `none` loses to turning speculation off).
+SPEEDUP_BASES = ("hf", "none")
+
+
+def _speedups(methods: list[dict], base: str) -> None:
+    """``speedup_vs_<base>`` on every entry and category: tok/s over the base's, in the same run."""
+    reference = next((m for m in methods if m["name"] == base), None)
+    if reference is None:
+        return
+    key = f"speedup_vs_{base}"
+    for entry in methods:
+        entry[key] = entry["tokens_per_s"] / reference["tokens_per_s"]
+        for category, values in entry["per_category"].items():
+            values[key] = values["tokens_per_s"] / reference["per_category"][category]["tokens_per_s"]
 
 
 def _hf_tau(runs: list[dict], new: int) -> float:
@@ -529,8 +538,8 @@ def format_report(report: dict, verbose: bool = False) -> str:
     """The table, its legend, speedups and tau per category, and a closing summary; with
     ``verbose``, where each differing prompt first differs."""
     prompts, gap = report.get("prompts"), report.get("near_tie_gap")
-    lines = [f"{'method':<12} {'tok/s':>7} {'vs hf':>6} {'tau':>5} {'nodes':>5} {'same':>4} {'tie':>3} {'diff':>4}"
-             "  stage ms/step (propose score verify commit other)  accepted lengths"]  # fmt: skip
+    lines = [f"{'method':<12} {'tok/s':>7} {'vs hf':>6} {'vs none':>7} {'tau':>5} {'nodes':>5} {'same':>4} {'tie':>3} "
+             f"{'diff':>4}  stage ms/step (propose score verify commit other)  accepted lengths"]  # fmt: skip
     if "target" in report:
         t = report["target"]
         lines.insert(0, f"treespec target: attention {t['attention_backend']}, linear {t['linear_backend']}, "
@@ -543,11 +552,11 @@ def format_report(report: dict, verbose: bool = False) -> str:
         )
         tau = f"{m['mean_accepted_tokens']:.2f}" if "mean_accepted_tokens" in m else "-"
         nodes = f"{m['mean_drafted_nodes']:.1f}" if "mean_drafted_nodes" in m else "-"
-        speed = f"{m['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in m else "-"
+        speed, plain = (f"{m[k]:.2f}x" if k in m else "-" for k in ("speedup_vs_hf", "speedup_vs_none"))
         stages = " ".join(f"{v:6.1f}" for v in m["stage_ms"].values()) if "stage_ms" in m else ""
         hist = " ".join(f"{k}:{v}" for k, v in m.get("accepted_length_histogram", {}).items())
-        lines.append(f"{m['name']:<12} {m['tokens_per_s']:7.1f} {speed:>6} {tau:>5} {nodes:>5} {same:>4} {tie:>3} "
-                     f"{diff:>4}  {stages}  {hist}")  # fmt: skip
+        lines.append(f"{m['name']:<12} {m['tokens_per_s']:7.1f} {speed:>6} {plain:>7} {tau:>5} {nodes:>5} {same:>4} "
+                     f"{tie:>3} {diff:>4}  {stages}  {hist}")  # fmt: skip
         for mismatch in m.get("mismatches", []) if verbose else []:
             kind = "near-tie" if mismatch.get("near_tie") else "REAL DIVERGENCE"
             lines.append(f"    prompt {mismatch['prompt']}: first differs at token {mismatch['position']} "
@@ -555,12 +564,14 @@ def format_report(report: dict, verbose: bool = False) -> str:
                          f"{mismatch['top2_logit_gap']:.4f}: {kind}")  # fmt: skip
     lines.append(legend(report))
     cats = report["categories"]
-    lines.append("speedup vs hf per category: " + ", ".join(cats))
-    for m in report["methods"]:
-        if "speedup_vs_hf" in m:
+    for base in SPEEDUP_BASES:
+        rows = [m for m in report["methods"] if f"speedup_vs_{base}" in m]
+        if rows:
+            lines.append(f"speedup vs {base} per category: " + ", ".join(cats))
+        for m in rows:
             lines.append(
                 f"  {m['name']:<12} "
-                + " ".join(f"{m['per_category'][c]['speedup_vs_hf']:5.2f}x" for c in cats)
+                + " ".join(f"{m['per_category'][c][f'speedup_vs_{base}']:5.2f}x" for c in cats)
             )
     taus = [  # not none and hf: one token per step by definition
         m
@@ -590,7 +601,8 @@ def legend(report: dict) -> str:
         "near-tie) / differing beyond that (a bug in a treespec method)"
     )
     return (
-        "legend: tok/s new tokens per second; vs hf speed over HF generate; tau tokens committed per target "
+        "legend: tok/s new tokens per second; vs hf speed over HF generate; vs none speed over treespec's own "
+        "plain decoding (no proposer); tau tokens committed per target "
         f"forward (bonus included); nodes drafted tree nodes per step; {identity}; stage ms per step; "
         "accepted lengths tokens:steps"
     )
@@ -603,6 +615,12 @@ def summary_line(report: dict) -> str:
     fastest = max(methods, key=lambda m: m["tokens_per_s"])
     speed = f", {fastest['speedup_vs_hf']:.2f}x HF generate" if "speedup_vs_hf" in fastest else ""
     text = f"summary: fastest {fastest['name']} ({fastest['tokens_per_s']:.1f} tok/s{speed})"
+    speculative = [m for m in methods if m["kind"] == "treespec" and m["name"] != "none"]
+    if speculative and "speedup_vs_none" in speculative[0]:
+        best = max(speculative, key=lambda m: m["tokens_per_s"])
+        worst = min(speculative, key=lambda m: m["tokens_per_s"])
+        text += (f"; best speculative method {best['name']} at {best['speedup_vs_none']:.2f}x plain decoding, "
+                 f"slowest {worst['name']} at {worst['speedup_vs_none']:.2f}x")  # fmt: skip
     checked = [m for m in methods if m.get("identity") and m["name"] != "none"]
     if not checked:
         return text + "; output identity not checked (sampling)"
@@ -637,17 +655,22 @@ def plot(report: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ValueError("--plot needs matplotlib: pip install 'treespec[plot]'") from exc
-    methods = [m for m in report["methods"] if "speedup_vs_hf" in m]
     cats = report["categories"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.5))
-    width = 0.8 / max(len(methods), 1)
-    for k, m in enumerate(methods):
-        xs = [i + k * width for i in range(len(cats))]
-        left.bar(xs, [m["per_category"][c]["speedup_vs_hf"] for c in cats], width, label=m["name"])
-    left.axhline(1.0, color="black", linewidth=0.8)
-    left.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats)
-    left.set_ylabel("speedup over HF generate")
-    left.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: bars stay visible
+    bases = [b for b in SPEEDUP_BASES if any(f"speedup_vs_{b}" in m for m in report["methods"])]
+    fig, axes = plt.subplots(1, len(bases) + 1, figsize=(7 * (len(bases) + 1), 4.5))
+    names = {"hf": "HF generate", "none": "treespec's plain decoding (none)"}
+    for panel, base in zip(axes, bases, strict=False):
+        key = f"speedup_vs_{base}"
+        methods = [m for m in report["methods"] if key in m]
+        width = 0.8 / max(len(methods), 1)
+        for k, m in enumerate(methods):
+            xs = [i + k * width for i in range(len(cats))]
+            panel.bar(xs, [m["per_category"][c][key] for c in cats], width, label=m["name"])
+        panel.axhline(1.0, color="black", linewidth=0.8)
+        panel.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats)
+        panel.set_ylabel(f"speedup over {names[base]}")
+    axes[0].legend(fontsize=8)
+    right = axes[-1]
     for m in report["methods"]:
         hist = m.get("accepted_length_histogram")
         if hist and m["name"] != "none":

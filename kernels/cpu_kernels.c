@@ -202,8 +202,8 @@ BF16_TARGET static void block_rows_bf16(const uint16_t *x, const uint16_t *w, co
 }
 
 /* The AMX road (Sapphire Rapids and later Xeons): tdpbf16ps multiplies a 16 x 32 bf16 tile by a
- * 32 x 16 one into 16 x 16 fp32 accumulators, 16,384 flops per instruction, ~16x the AVX512-BF16
- * road's arithmetic per cycle, so a tree step's 8-32 rows cost about what one row costs: reading
+ * 32 x 16 one into 16 x 16 fp32 accumulators, 16,384 flops per instruction (~30x the AVX512-BF16
+ * road's measured peak), so a tree step's 8-32 rows cost about what one row costs: reading
  * the weight. The weight is the tile's A operand as it lies in memory (16 weight rows by 32
  * columns, the nn.Linear layout: nothing is repacked); x is the B operand, packed per step into
  * AMX's pair layout (xp: per chunk of 16 rows of x, per block of 32 columns, 16 pairs by 16 rows,
@@ -214,19 +214,11 @@ BF16_TARGET static void block_rows_bf16(const uint16_t *x, const uint16_t *w, co
  * only (the ISA's definition), so a row of x gives the same bits alone (padded to 16 columns
  * with zeros) or among 15 others. Partial tiles (K % 32, N % 16) go through zero-padded copies,
  * so the sequence is the same there too. Linux hands out the tiles' 8 KB of state only to a
- * process that asks (treespec_amx_permit), and each thread configures its tiles when it starts
+ * process that asks (the Python side asks before it picks this road), and each thread configures its tiles when it starts
  * its share and releases them after, so the kernels never rely on what other code left in
  * them (PyTorch's oneDNN uses AMX too). */
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 enum { AMX_BLOCKS = 3 }; /* weight blocks of 16 rows per group: accumulators in tiles 0-2, x in 4, weights in 5-7 */
-
-/* 0 when Linux lets this process use AMX's tiles (asking is idempotent), -1 when it refuses. */
-int treespec_amx_permit(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1; }
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -272,8 +264,8 @@ static const uint16_t *amx_padded(const uint16_t *w, int64_t rows, int64_t K, in
     return scratch;
 }
 
-/* One weight block (tile `acc`) times x's chunk at column block kb; `in_place` when all 16 rows
- * and 32 columns lie in the weight. */
+/* Weight block `block` at column block kb into tile `wtile`: in place when all 16 rows and 32
+ * columns lie in the weight (`in_place`, rows_left), else through its zero-padded copy. */
 #define AMX_LOAD(wtile, block)                                                                            \
     do {                                                                                                   \
         const uint16_t *wb = w + (int64_t)(block) * 16 * K;                                               \
@@ -310,7 +302,7 @@ AMX_TARGET static void amx_write_back(const float *acc, int64_t rows, int64_t co
         _mm512_mask_storeu_ps(y + j * N, keep, bias ? _mm512_add_ps(t[j], add) : t[j]);
 }
 
-/* `blocks` (1-4) consecutive blocks of 16 weight rows (rows_left rows remain from w) against one
+/* `blocks` (1-3) consecutive blocks of 16 weight rows (rows_left rows remain from w) against one
  * packed chunk of 16 rows of x: C tiles to acc [blocks * 16, 16] fp32, acc[n][m] = y[m][n]. */
 AMX_TARGET static void amx_group(const uint16_t *w, int64_t rows_left, int64_t K, const uint32_t *xp, int blocks,
                                  float *acc, uint16_t (*scratch)[16 * 32]) {
@@ -335,7 +327,7 @@ AMX_TARGET static void amx_group(const uint16_t *w, int64_t rows_left, int64_t K
 
 /* linear_share on the AMX road: thread `me` takes a contiguous range of the matrices' blocks of
  * 16 weight rows (matrix i owns blocks first_block[i] .. first_block[i+1]-1), groups of up to
- * four at a time, each against every chunk of 16 rows of x. xp is this thread's buffer for the
+ * AMX_BLOCKS at a time, each against every chunk of 16 rows of x. xp is this thread's buffer for the
  * packed x ((M+15)/16 * (K+31)/32 * 256 pairs). */
 AMX_TARGET static void amx_share(int64_t me, int64_t threads, const uint16_t *xb, int64_t M, int64_t K, int count,
                                  const uint16_t *const *w, const float *const *bias, float *const *y,
@@ -1002,15 +994,15 @@ BF16_TARGET static double peak_bf16(int64_t iterations) {
 }
 
 AMX_TARGET static double peak_amx(int64_t iterations) { /* four independent accumulator tiles */
-    static const uint16_t ones[16 * 32] = {0};
+    static const uint16_t zeros[16 * 32] = {0};
     float out[256];
     amx_configure();
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    _tile_loadd(4, ones, 64);
-    _tile_loadd(5, ones, 64);
+    _tile_loadd(4, zeros, 64);
+    _tile_loadd(5, zeros, 64);
     for (int64_t n = 0; n < iterations; n++) {
         _tile_dpbf16ps(0, 5, 4);
         _tile_dpbf16ps(1, 5, 4);

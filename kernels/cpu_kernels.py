@@ -74,10 +74,10 @@ def amx_refusal() -> str | None:
     return None
 
 
-def roads() -> list[str]:
-    """The roads this machine can take, slowest first: the CPU has their instructions and, for
-    AMX, the OS grants its tiles."""
-    flags = _cpu_flags()
+def roads(flags: set[str] | None = None) -> list[str]:
+    """The roads this machine can take, slowest first: the CPU has their instructions (``flags``,
+    default this CPU's) and, for AMX, the OS grants its tiles."""
+    flags = _cpu_flags() if flags is None else flags
     return [
         name
         for name, needs in ISA_FLAGS.items()
@@ -86,13 +86,9 @@ def roads() -> list[str]:
 
 
 def best_isa(flags: set[str] | None = None) -> str | None:
-    """The fastest road this CPU has (None: not even AVX2 and FMA); AMX only where the OS grants
-    its tiles."""
-    flags = _cpu_flags() if flags is None else flags
-    roads = [name for name, needs in ISA_FLAGS.items() if needs <= flags]
-    if roads and roads[-1] == "amx" and amx_refusal() is not None:
-        roads.pop()
-    return roads[-1] if roads else None
+    """The fastest road this machine can take (None: not even AVX2 and FMA)."""
+    available = roads(flags)
+    return available[-1] if available else None
 
 
 def _chosen_isa() -> str:
@@ -399,7 +395,7 @@ def peak_flops(road: str, iterations: int = 20_000_000) -> float:
     per thread of fp32 FMAs (avx2) or bf16 dot products (avx512bf16), or four of AMX tile
     products (amx), from registers."""
     if road not in roads():
-        raise ValueError(f"no {road!r} road on this CPU (roads: {', '.join(ISAS)})")
+        raise ValueError(f"no {road!r} road on this machine (roads: {', '.join(roads())})")
     return _load()[0].treespec_peak_flops(ISAS[road], iterations)
 
 

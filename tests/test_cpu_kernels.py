@@ -318,6 +318,17 @@ def test_bit_equality_sees_the_order_of_a_sum(road):
 
 
 @needs_kernels
+def test_each_road_measures_its_arithmetic_peak_and_an_absent_road_is_refused(road):
+    """The micro-benchmark's peak (scripts/bench_cpu_kernels.py) runs on every road this machine
+    has: a positive rate in flops/s; a road that is not here is refused by name."""
+    assert cpu_kernels.peak_flops(road, iterations=64_000) > 1e9
+    absent = [r for r in cpu_kernels.ISAS if r not in cpu_kernels.roads()] + ["sse2"]
+    for name in absent:
+        with pytest.raises(ValueError, match=f"no '{name}' road on this machine"):
+            cpu_kernels.peak_flops(name)
+
+
+@needs_kernels
 def test_a_kernel_that_cannot_allocate_its_buffers_raises_instead_of_aborting(road):
     """Sizes whose work buffers exceed any address space (2^56 bytes): the C entry points return
     before computing anything, and Python raises MemoryError naming what was asked (the process

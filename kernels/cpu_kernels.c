@@ -767,7 +767,9 @@ int treespec_tree_attention_bf16(const uint16_t *q, const uint16_t *k_cache, con
  * cos, sin [T, D] bf16 rotary tables of each row's position (the model's own, as HF casts them)
  * caches   [layers, S, Hkv, L, D] bf16; row t writes position row_prefix[t] + row_index[t] of
  *          row row_slot[t] and attends as treespec_tree_attention_bf16 does
- * layer_out  [layers] pointers, each [T, H] bf16 or NULL: the residual stream after layer i */
+ * layer_out  [layers] pointers, each [T, H] bf16 or NULL: the residual stream after layer i
+ * A NULL input norm (W_IN_NORM) feeds the layer its rows unnormed, and a NULL final_norm leaves
+ * the last residual stream as it is: an EAGLE-1 head's layer, which has neither. */
 enum { W_IN_NORM, W_Q, W_K, W_V, W_O, W_POST_NORM, W_GATE, W_UP, W_DOWN, W_Q_BIAS, W_K_BIAS, W_V_BIAS, W_COUNT };
 
 /* Rows r0..r1 of h [., H] bf16: RMSNorm with weight w, into out_f (fp32 widenings of the bf16
@@ -775,6 +777,13 @@ enum { W_IN_NORM, W_Q, W_K, W_V, W_O, W_POST_NORM, W_GATE, W_UP, W_DOWN, W_Q_BIA
 static void rmsnorm_rows(const uint16_t *h, const uint16_t *w, float eps, int64_t r0, int64_t r1, int64_t H,
                          float *out_f, uint16_t *out_b) {
     const int64_t H8 = H & ~(int64_t)7;
+    if (!w) { /* no norm (an EAGLE-1 head's layer): the rows as they are */
+        for (int64_t e = r0 * H; e < r1 * H; e++) {
+            out_f[e] = widen_one(h[e]);
+            if (out_b) out_b[e] = h[e];
+        }
+        return;
+    }
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *row = h + r * H;
         __m256 acc = _mm256_setzero_ps();
@@ -960,7 +969,7 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
 #pragma omp barrier
             MARK(11);
         }
-        rmsnorm_rows(hidden, final_norm, eps, r0, r1, H, x, hidden); /* each row reads only itself */
+        if (final_norm) rmsnorm_rows(hidden, final_norm, eps, r0, r1, H, x, hidden); /* each row reads only itself */
 #pragma omp barrier
         MARK(12);
     }

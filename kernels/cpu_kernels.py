@@ -352,7 +352,7 @@ def tree_attention_bf16(
 def decoder_bf16(
     hidden: torch.Tensor,
     table: ctypes.Array,
-    final_norm: torch.Tensor,
+    final_norm: torch.Tensor | None,
     num_layers: int,
     num_rows: int,
     hidden_size: int,
@@ -377,12 +377,12 @@ def decoder_bf16(
     layer_out: ctypes.Array,
 ) -> None:
     """The fused decoder stack (``treespec_decoder_bf16`` in the C file) over ``hidden`` [T, H]
-    bf16 in place. Raw pointers: :class:`treespec.fused.FusedDecoder` lays out and owns every
+    bf16 in place (no final norm when ``final_norm`` is None). Raw pointers: :class:`treespec.fused.FusedDecoder` lays out and owns every
     argument; nothing here checks them beyond the cache's layout."""
     if not (keys.is_contiguous() and values.is_contiguous() and keys.dtype is torch.bfloat16):
         raise ValueError(f"the fused decoder needs contiguous bf16 caches, got {keys.dtype}")
     code = _load()[0].treespec_decoder_bf16(
-        hidden.data_ptr(), table, final_norm.data_ptr(), num_layers, num_rows, hidden_size, intermediate_size,
+        hidden.data_ptr(), table, None if final_norm is None else final_norm.data_ptr(), num_layers, num_rows, hidden_size, intermediate_size,
         num_heads, num_kv_heads, head_dim, eps, sm_scale, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
         values.data_ptr(), num_slots, max_len, row_slot.data_ptr(), row_prefix.data_ptr(), row_index.data_ptr(),
         row_new.data_ptr(), None if mask is None else mask.data_ptr(), words, layer_out,

@@ -86,6 +86,12 @@ def test_cli_runs_every_method_and_baseline_end_to_end(tmp_path, capfd):
     report = json.loads((tmp_path / "out.json").read_text())
     names = [m["name"] for m in report["methods"]]
     assert names == ["hf", "hf-pld", "hf-assisted", "none", "ngram", "draft", "medusa", "eagle", "hybrid"]
+    drafting = {m["name"]: m["drafting"] for m in report["methods"] if "drafting" in m}
+    assert drafting["none"] == drafting["ngram"] == {}  # no model drafts for them
+    assert set(drafting["hybrid"]) == set(drafting["eagle"]) == {"eagle head"}
+    assert drafting["eagle"]["eagle head"].startswith("modules (the fused decoder is for bf16 heads")  # fp32
+    assert set(drafting["draft"]) == {"draft model"} and set(drafting["medusa"]) == {"medusa heads"}
+    assert "drafting through: draft: draft model modules (" in printed.out
     assert set(report["config"]) >= {"model", "proposers", "baselines", "max_new_tokens", "dtype", "temperature",
                                      "batch_size", "seed", "warmup", "json", "plot", "device", "budget",
                                      "linear_backend"}  # fmt: skip

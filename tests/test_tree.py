@@ -406,6 +406,44 @@ def test_dynamic_tree_matches_the_reference(top_k, depth, num_nodes):
             assert (got_step, got_tokens[b], got_paths[b]) == want_calls[b][step]
 
 
+def test_a_reduced_readout_grows_the_tree_the_widened_one_grows():
+    """Log-probs over a few columns whose ids ``token_ids`` names (a reduced read-out, out of
+    order) give the tree that the same values placed in the whole vocabulary (-inf elsewhere)
+    give, and ``expand`` sees token ids, not columns."""
+    wide_vocab = 40
+    ids = torch.tensor([31, 4, 17, 9, 22, 38, 0, 12, 27, 6, 35, 19])  # column c is token ids[c]
+    assert len(ids) == VOCAB
+
+    def widened(logprobs: torch.Tensor) -> torch.Tensor:
+        full = logprobs.new_full((*logprobs.shape[:-1], wide_vocab), float("-inf"))
+        return full.index_copy_(-1, ids, logprobs)
+
+    def reduced_expand(calls):
+        def expand(step, frontier_tokens, parent_slots):  # the fake head reads columns
+            columns = (frontier_tokens[..., None] == ids).float().argmax(-1)
+            calls.append(frontier_tokens.tolist())
+            return inner(step, columns, parent_slots)
+
+        inner = fake_expand([])
+        return expand
+
+    roots = torch.tensor([3, 7])
+    root_logprobs = torch.stack([fake_logprobs(b, (int(roots[b]),)) for b in range(2)])
+    seen: list = []
+    got = build_dynamic_tree(roots, root_logprobs, reduced_expand(seen), top_k=3, depth=3, num_nodes=8,
+                             token_ids=ids)  # fmt: skip
+    inner = fake_expand([])
+
+    def wide_expand(step, frontier_tokens, parent_slots):
+        columns = (frontier_tokens[..., None] == ids).float().argmax(-1)
+        return widened(inner(step, columns, parent_slots))
+
+    want = build_dynamic_tree(roots, widened(root_logprobs), wide_expand, top_k=3, depth=3, num_nodes=8)
+    assert_trees_equal(got, want)
+    assert set(got.tokens.tolist()) - set(roots.tolist()) <= set(ids.tolist())
+    assert all(t in ids.tolist() for call in seen for row in call for t in row)
+
+
 def test_dynamic_tree_keeps_parents_on_ties():
     # A certain draft: log(1) = 0, so the chain of token 2 ties with the root (score 0) and every
     # other child ties at -inf. Kept nodes must still be closed under ancestors.

@@ -257,7 +257,7 @@ def run_method(components: Components, method: str, prompts: list[list[int]], ge
         s = out.stats
         lengths = [n for per in s.accepted_lengths for n in per]
         return {"tokens": out.sequences, "seconds": seconds, "steps": s.steps, "accepted_lengths": lengths,
-                "drafted_nodes": s.drafted_nodes,
+                "drafted_nodes": s.drafted_nodes, "drafting": proposer.drafting_paths() if proposer else {},
                 "stages_s": {"propose": s.propose_s, "score": s.forward_s, "verify": s.verify_s,
                              "commit": s.commit_s}}  # fmt: skip
     model, tokenizer = components.hf_model, components.tokenizer
@@ -474,6 +474,7 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
             entry["decode_steps"] = len(lengths)
             # per request and decoding step: the tree size the budget settled on
             entry["mean_drafted_nodes"] = sum(r["drafted_nodes"] for r in runs) / max(len(lengths), 1)
+            entry["drafting"] = runs[0].get("drafting", {})  # what ran each drafter: fused, or modules and why
         elif "target_forwards" in runs[0]:  # HF: the tokens after the prefill's over the forwards after it
             entry["mean_accepted_tokens"] = _hf_tau(runs, new)
         if config.temperature == 0:
@@ -562,6 +563,10 @@ def format_report(report: dict, verbose: bool = False) -> str:
             lines.append(f"    prompt {mismatch['prompt']}: first differs at token {mismatch['position']} "
                          f"({mismatch['got']} vs {mismatch['reference']}); target's top-2 logit gap there "
                          f"{mismatch['top2_logit_gap']:.4f}: {kind}")  # fmt: skip
+    paths = [f"{m['name']}: " + ", ".join(f"{k} {v}" for k, v in m["drafting"].items())
+             for m in report["methods"] if m.get("drafting")]  # fmt: skip
+    if paths:
+        lines.append("drafting through: " + "; ".join(paths))
     lines.append(legend(report))
     cats = report["categories"]
     for base in SPEEDUP_BASES:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -38,6 +39,16 @@ FAMILIES = {
     "MistralForCausalLM": ("MistralDecoderLayer", "MistralRMSNorm"),
 }
 _SLOTS = ("input_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down", "q_bias", "k_bias", "v_bias")
+
+
+_SAID: set[str] = set()
+
+
+def say_once(message: str) -> None:
+    """A fallback's reason, warned once per process."""
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def env_refusal() -> str | None:
@@ -215,3 +226,85 @@ class FusedDecoder:
         picked = hidden if logit_rows is None else hidden[logit_rows]
         logits = cpu_kernels.linear_unchecked(picked, self._lm_head, None).float()
         return logits, hidden, layer_hidden
+
+
+def eagle_refusal(head: nn.Module) -> str | None:
+    """Why an EAGLE head's layer cannot run through the fused decoder here, or None when it can.
+    The fused layer is a Llama decoder layer without its input norm (EAGLE-1); EAGLE-3 attends
+    over [embedding; feature], twice the width the C stack's projections read."""
+    if (reason := env_refusal()) is not None:
+        return reason
+    config = head.config
+    if config.eagle3:
+        return (
+            "an EAGLE-3 layer attends over [embedding; feature] (2H wide), which the fused decoder does not"
+        )
+    weight = head.fc.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return f"the fused decoder is for bf16 heads on a CPU; this one is {weight.dtype} on {weight.device}"
+    if not cpu_kernels.available():
+        return f"the fused decoder needs treespec's CPU kernels: {cpu_kernels.unavailable_reason()}"
+    if config.hidden_act != "silu":
+        return f"the fused decoder's MLP is SiLU-gated; this head's activation is {config.hidden_act!r}"
+    if head.layer.self_attn.o_proj.bias is not None:
+        return "the head's o-proj has a bias, which the fused decoder does not add"
+    tensors = [p for m in (head.fc, head.layer) for p in m.parameters()]
+    if not all(p.dtype is torch.bfloat16 and p.is_contiguous() for p in tensors):
+        return "the head has parameters that are not contiguous bf16"
+    return None
+
+
+class FusedEagleLayer:
+    """An EAGLE-1 head's pass as two C calls: ``fc`` over [embedding; feature] (treespec's linear
+    kernel), then the decoder layer (no input norm, no final norm) over the head's own KV cache,
+    attention masked as the target's tree attention is. The same arithmetic as the head's modules
+    on the fused target path: bf16 rounding wherever they round, RMSNorm summed in another order.
+    Holds pointers into the head's weights (a replaced parameter is not seen: build a new one)."""
+
+    def __init__(self, head: nn.Module) -> None:
+        if (reason := eagle_refusal(head)) is not None:
+            raise ValueError(f"the fused decoder cannot serve this EAGLE head: {reason}")
+        config, layer = head.config, head.layer
+        attn, mlp = layer.self_attn, layer.mlp
+        self.head = head
+        self.shape = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                      config.num_key_value_heads, config.head_dim)  # fmt: skip
+        self.eps = float(config.rms_norm_eps)
+        self.sm_scale = float(config.head_dim) ** -0.5
+        self.fc = (head.fc.weight, head.fc.bias)
+        biases = [
+            None if m.bias is None else m.bias.detach().float()
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj)
+        ]
+        self._kept = [b for b in biases if b is not None]  # fp32 widenings the table points at
+        slots = [None, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+                 layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                 mlp.down_proj.weight, *biases]  # fmt: skip
+        self._table = (ctypes.c_void_p * len(slots))(*[None if t is None else t.data_ptr() for t in slots])
+        self._no_outs = (ctypes.c_void_p * 1)()
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        cache: object,
+        rows: tuple[torch.Tensor, ...],
+        tree_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``embeds``, ``features`` [T, H] bf16 and their sequence ``positions`` [T]; ``rows`` and
+        ``tree_mask`` as :meth:`FusedDecoder.forward` takes them (a row's K/V go to position
+        committed + index of its slot). Returns the head's outputs h [T, H] bf16."""
+        hidden_size, intermediate, heads, kv_heads, head_dim = self.shape
+        x = cpu_kernels.linear_unchecked(torch.cat([embeds, features], dim=-1), *self.fc)
+        cos, sin = self.head.rotary(x[None], positions[None])
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        mask = None if tree_mask is None else tree_mask.to(torch.int32).contiguous()
+        row_slot, row_prefix, row_index, row_new = (r.contiguous() for r in rows)
+        keys, values = cache.keys, cache.values
+        cpu_kernels.decoder_bf16(
+            x, self._table, None, 1, len(x), hidden_size, intermediate, heads, kv_heads, head_dim, self.eps,
+            self.sm_scale, cos, sin, keys, values, keys.shape[1], keys.shape[3], row_slot, row_prefix, row_index,
+            row_new, mask, 0 if mask is None else mask.shape[1], self._no_outs,
+        )  # fmt: skip
+        return x

@@ -16,7 +16,6 @@ written to cache position ``prefix_lens[b] + i`` before attention.
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,7 +27,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from treespec import linear
 from treespec.cache import KVCache
-from treespec.fused import FusedDecoder, env_refusal, fused_refusal
+from treespec.fused import FusedDecoder, env_refusal, fused_refusal, say_once
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import (
     AttentionPlan,
@@ -44,16 +43,6 @@ from treespec.kernels.tree_attention import (
 )
 
 ATTENTION_NAME = "treespec"
-_SAID: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    """A fallback's reason, warned once per process."""
-    if message not in _SAID:
-        _SAID.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
 STEP_KWARG = "treespec_step"
 
 
@@ -369,7 +358,7 @@ class Target:
         elif fused:
             raise ValueError(f"fused=True: {refusal}")
         elif batch_invariant and fused is None and env_refusal() is None:
-            _say_once(
+            say_once(
                 f"treespec runs {type(model).__name__} through its modules, not the fused decoder: {refusal}"
             )
         self.path = "fused" if self.fused is not None else "modules"

@@ -825,7 +825,12 @@ def _stable_top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _grow_pool(
-    root_tokens: torch.Tensor, root_logprobs: torch.Tensor, expand: ExpandFn, top_k: int, depth: int
+    root_tokens: torch.Tensor,
+    root_logprobs: torch.Tensor,
+    expand: ExpandFn,
+    top_k: int,
+    depth: int,
+    token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft every candidate node, in drafting order (the id layout of build_dynamic_tree).
 
@@ -835,6 +840,8 @@ def _grow_pool(
     batch, k = root_tokens.shape[0], top_k
     score_dtype = torch.promote_types(root_logprobs.dtype, torch.float32)
     frontier_scores, frontier_tokens = root_logprobs.to(score_dtype).topk(k, dim=-1)  # [B, K]
+    if token_ids is not None:  # columns of a reduced read-out -> token ids
+        frontier_tokens = token_ids[frontier_tokens]
     frontier_ids = torch.arange(1, k + 1, device=root_tokens.device).repeat(batch, 1)  # [B, K]
     parent_slots = torch.full_like(frontier_ids, NO_PARENT)  # the first frontier's parent: the root
     tokens = [root_tokens[:, None].long(), frontier_tokens]
@@ -846,6 +853,8 @@ def _grow_pool(
         if logprobs.dim() != 3 or logprobs.shape[:2] != (batch, k) or logprobs.shape[2] < k:
             raise ValueError(f"expand returned {tuple(logprobs.shape)}, expected [B={batch}, K={k}, V >= K]")
         child_logprobs, child_tokens = logprobs.to(score_dtype).topk(k, dim=-1)  # [B, K, K]
+        if token_ids is not None:
+            child_tokens = token_ids[child_tokens]
         child_scores = (frontier_scores[:, :, None] + child_logprobs).flatten(1)  # [B, K*K]
         child_tokens = child_tokens.flatten(1)
         tokens.append(child_tokens)
@@ -868,6 +877,7 @@ def build_dynamic_tree(
     num_nodes: int,
     return_scores: bool = False,
     check: bool = True,
+    token_ids: torch.Tensor | None = None,
 ) -> TokenTree | tuple[TokenTree, torch.Tensor]:
     """Grow an EAGLE-2 dynamic tree for B requests at once; any draft head drives it via ``expand``.
 
@@ -894,6 +904,9 @@ def build_dynamic_tree(
     Shape:
         root_tokens [B] long, root_logprobs [B, V] -> TokenTree of num_nodes + 1 nodes per request;
         with return_scores, also scores [T] (cumulative draft log-prob per node, 0 at the root)
+    ``token_ids`` [V] (distinct ids): the log-probs are over a reduced read-out whose column c is
+    token ``token_ids[c]``, so a draft reading out over a few thousand tokens never widens its
+    rows to the whole vocabulary; None: column c is token c.
     Ties between tokens of one distribution follow torch.topk. Siblings are distinct tokens of
     one top-k, so every request keeps num_nodes + 1 nodes. Host syncs: one, the check that the
     kept nodes are closed under ancestors; ``check=False`` skips it, for callers whose ``expand``
@@ -905,7 +918,9 @@ def build_dynamic_tree(
             f"and {tuple(root_logprobs.shape)}"
         )
     check_dynamic_budget(top_k, depth, num_nodes, vocab=root_logprobs.shape[1])
-    pool_tokens, pool_scores, pool_parents = _grow_pool(root_tokens, root_logprobs, expand, top_k, depth)
+    pool_tokens, pool_scores, pool_parents = _grow_pool(
+        root_tokens, root_logprobs, expand, top_k, depth, token_ids
+    )
     batch, pool_size = pool_tokens.shape
     kept = _stable_top_indices(pool_scores, num_nodes + 1).sort(dim=1).values  # [B, n+1] drafting order
     new_index = torch.full_like(pool_parents, NO_PARENT)  # [B, P] pool id -> index in the tree

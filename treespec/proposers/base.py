@@ -158,6 +158,11 @@ class Proposer(abc.ABC):
         Only for proposers with ``has_budget``."""
         raise TypeError(f"{type(self).__name__} has no settable budget: its tree size is fixed")
 
+    def drafting_paths(self) -> dict[str, str]:
+        """What runs each of its models: {drafter: "fused" or "modules (why)"}; {} for a
+        proposer without a model (n-gram lookup). ``treespec bench`` reports it per method."""
+        return {}
+
     @property
     def capabilities(self) -> Capabilities:
         """This proposer's declarations now (a budget may change ``max_tree_nodes``)."""
@@ -204,6 +209,9 @@ class WrappingProposer(Proposer):
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
         self.proposer.set_budget(num_nodes, depth)
+
+    def drafting_paths(self) -> dict[str, str]:
+        return self.proposer.drafting_paths()
 
 
 def reduced_rows(

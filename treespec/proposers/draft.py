@@ -105,6 +105,10 @@ class DraftModelProposer(Proposer):
             )
             self.readout = linear.module_view(rows, self.draft.linear_backend).eval()
 
+    def drafting_paths(self) -> dict[str, str]:
+        draft = self.draft
+        return {"draft model": draft.path if draft.fused is not None else f"modules ({draft.path_reason})"}
+
     def set_budget(self, num_nodes: int, depth: int) -> None:
         """Dynamic trees only: at most ``num_nodes`` nodes, ``depth`` deep, from the next step on
         (within the sizes given at construction; see :func:`treespec.tree.fit_dynamic_budget`)."""
@@ -158,18 +162,17 @@ class DraftModelProposer(Proposer):
         top_k, depth, num_nodes = self.dynamic
         depth = max(1, min(depth, min(r.max_new for r in requests) - 1))
         num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
-        root_logprobs = torch.log_softmax(self._catch_up(requests).float(), -1)  # [B, V]
+        processed = any(r.sampling.has_processors for r in requests)
+        root_logprobs = torch.log_softmax(self._catch_up(requests, widen=processed).float(), -1)  # [B, V']
         roots = torch.tensor([r.tokens[-1] for r in requests], device=root_logprobs.device)
         levels: list[tuple[torch.Tensor, torch.Tensor]] = []  # per expansion: frontier tokens, parent slots
-
-        processed = any(r.sampling.has_processors for r in requests)
         paths: list[list[list[int]]] = []  # per expansion: per request, per frontier slot
         if processed:  # the requests' processors steer the drafts, each node on its own path
             root_logprobs = process_draft(root_logprobs, requests, range(len(requests)), [[]] * len(requests))
 
         def expand(step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
             levels.append((frontier_tokens, parent_slots))
-            logits = self._score_levels(requests, levels)  # [B, K, V]
+            logits = self._score_levels(requests, levels, widen=processed)  # [B, K, V']
             log_probs = torch.log_softmax(logits.float(), -1)
             if processed:
                 tokens, parents = frontier_tokens.tolist(), parent_slots.tolist()
@@ -186,39 +189,79 @@ class DraftModelProposer(Proposer):
             return log_probs
 
         return build_dynamic_tree(  # expand returns log_softmax outputs: no need to check them
-            roots, root_logprobs, expand, top_k=top_k, depth=depth, num_nodes=num_nodes, check=False
+            roots,
+            root_logprobs,
+            expand,
+            top_k=top_k,
+            depth=depth,
+            num_nodes=num_nodes,
+            check=False,
+            token_ids=None if processed else self.readout_ids,
         )
 
-    def _score_levels(self, requests, levels) -> torch.Tensor:
-        """Draft logits at the newest frontier [B, K, V]: every frontier node so far goes
-        through the draft as a forest under the cached root, level by level (node l * K + i is
-        slot i of level l, its parent slot ``parent_slots[i]`` of level l - 1; level 0's parent
-        is the root, which is cached)."""
+    def _score_levels(self, requests, levels, widen: bool = True) -> torch.Tensor:
+        """Draft logits at the newest frontier [B, K, V'] (``widen``: over the whole vocabulary,
+        see ``_forward``). The frontier nodes so far are a forest under the cached root, level by
+        level (node l * K + i is slot i of level l, its parent slot ``parent_slots[i]`` of level
+        l - 1; level 0's parent is the root, which is cached). Through the fused decoder only the
+        newest level runs (``_score_newest_level``); through the modules every level runs again."""
+        k = levels[0][0].shape[1]
+        visible = torch.zeros(len(requests), 0, 0, dtype=torch.bool, device=levels[0][0].device)
+        for level, (_, slots) in enumerate(levels):  # the forest's ancestor relation, on the device
+            visible = extend_ancestors(visible, torch.where(slots >= 0, (level - 1) * k + slots, NO_PARENT))
+        slots = [self._slot[r.request_id] for r in requests]
+        if self.draft.fused is not None:
+            return self._score_newest_level(slots, levels, visible, widen)
+        return self._score_all_levels(slots, levels, visible, widen)
+
+    def _score_newest_level(self, slots, levels, visible, widen: bool) -> torch.Tensor:
+        """The newest level's rows alone through the fused decoder: the earlier levels' K/V were
+        written past the cached context when they ran, with the bits a rerun would give them (the
+        fused stack's rows are batch-invariant), so the logits are ``_score_all_levels``' bits."""
+        tokens, k = levels[-1][0], levels[-1][0].shape[1]
+        batch, num_run = tokens.shape[0], len(levels) * k
+        committed = torch.tensor([self.cache.lengths[s] for s in slots]).repeat_interleave(k)
+        rows = (torch.tensor(slots).repeat_interleave(k), committed, torch.arange(num_run - k, num_run).repeat(batch),
+                torch.full_like(committed, num_run))  # fmt: skip
+        logits, hidden, _ = self.draft.fused.forward(
+            tokens.flatten(), committed + len(levels) - 1, self.cache, rows, pack_bits(visible[:, -k:]).flatten(0, 1),
+            None if self.readout is None else torch.zeros(0, dtype=torch.long),
+        )  # fmt: skip
+        return (logits if self.readout is None else self._read_out(hidden, widen)).view(batch, k, -1)
+
+    def _score_all_levels(self, slots, levels, visible, widen: bool) -> torch.Tensor:
+        """Every level's rows through the draft's forward, the newest level's logits."""
         k = levels[0][0].shape[1]
         device = levels[0][0].device
         tokens = torch.cat([level_tokens for level_tokens, _ in levels], dim=1)  # [B, L * K]
         batch, num_run = tokens.shape
-        visible = torch.zeros(batch, 0, 0, dtype=torch.bool, device=device)  # the forest, on the device
-        for level, (_, slots) in enumerate(levels):
-            visible = extend_ancestors(visible, torch.where(slots >= 0, (level - 1) * k + slots, NO_PARENT))
-        slots = [self._slot[r.request_id] for r in requests]
         logits = self._forward(
             tokens.flatten(), self.cache, [num_run * b for b in range(batch + 1)], slots,
             tree_mask=pack_bits(visible).flatten(0, 1),
             depth=(torch.arange(num_run, device=device) // k).repeat(batch),
             logit_rows=(torch.arange(batch, device=device)[:, None] * num_run + num_run - k + torch.arange(k, device=device)).flatten(),
+            widen=widen,
         )  # fmt: skip
         return logits.view(batch, k, -1)
 
-    def _forward(self, *args, logit_rows: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def _forward(
+        self, *args, logit_rows: torch.Tensor | None = None, widen: bool = True, **kwargs
+    ) -> torch.Tensor:
         """The draft's forward; logits [R, V] of ``logit_rows`` (None: every row), read out through
-        the reduced rows when there are some (-inf elsewhere)."""
+        the reduced rows when there are some: [R, V'] in their order, or with ``widen`` [R, V]
+        with -inf outside them."""
         if self.readout is None:
             return self.draft.forward(*args, logit_rows=logit_rows, return_hidden=False, **kwargs).logits
         device = self.draft.device
         out = self.draft.forward(*args, logit_rows=torch.zeros(0, dtype=torch.long, device=device), **kwargs)
-        hidden = out.hidden if logit_rows is None else out.hidden[logit_rows]
+        return self._read_out(out.hidden if logit_rows is None else out.hidden[logit_rows], widen)
+
+    def _read_out(self, hidden: torch.Tensor, widen: bool) -> torch.Tensor:
+        """Logits of the draft's final normed rows over the reduced rows (``widen``: placed in
+        the whole vocabulary, -inf elsewhere)."""
         logits = self.readout(hidden)
+        if not widen:
+            return logits
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.readout_ids, logits)
 
@@ -229,7 +272,7 @@ class DraftModelProposer(Proposer):
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def _catch_up(self, requests: list[ProposalRequest]) -> torch.Tensor:
+    def _catch_up(self, requests: list[ProposalRequest], widen: bool = True) -> torch.Tensor:
         """Feed each request's uncached context (ending with the root); return the root logits."""
         chunks = []
         for request in requests:
@@ -242,7 +285,7 @@ class DraftModelProposer(Proposer):
         slots = [self._slot[r.request_id] for r in requests]
         logits = self._forward(
             torch.tensor([t for c in chunks for t in c], device=device), self.cache, cu, slots,
-            logit_rows=torch.tensor(cu[1:], device=device) - 1,
+            logit_rows=torch.tensor(cu[1:], device=device) - 1, widen=widen,
         )  # fmt: skip
         self.cache.commit(slots, [range(len(c)) for c in chunks])
         return logits

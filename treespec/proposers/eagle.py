@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 
 from treespec import linear
 from treespec.cache import KVCache, default_max_len
+from treespec.fused import FusedEagleLayer, eagle_refusal, env_refusal, say_once
 from treespec.heads.eagle import EagleHead
 from treespec.heads.fit import TargetShape
 from treespec.kernels.tree_attention import resolve_backend
@@ -67,6 +68,7 @@ class EagleProposer(Proposer):
         attention_backend: str = "auto",
         linear_backend: str = "auto",
         readout_ids: Sequence[int] | torch.Tensor | None = None,
+        fused: bool | None = None,
     ) -> None:
         """``total_tokens`` drafted nodes at most (the root not counted), ``depth`` levels, each
         expansion keeping the ``top_k`` best children of the ``top_k`` best frontier nodes.
@@ -80,7 +82,15 @@ class EagleProposer(Proposer):
         read-out costs that fraction of the full one, and a token outside it is never drafted
         (the output is the target's either way). ``range(n)`` takes the first n ids, which a BPE
         tokenizer numbers roughly by frequency (docs/results/ measures what they cover). The
-        rows are copied once (n x hidden values)."""
+        rows are copied once (n x hidden values).
+
+        ``fused``: run the head's pass as two C calls (:class:`treespec.fused.FusedEagleLayer`:
+        ``fc``, then the decoder layer over the head's cache) instead of its modules. None (the
+        default): where the head, the CPU and the backends allow (an EAGLE-1 head in bf16 on a
+        CPU with treespec's kernels, linear and attention backends "auto" or treespec's),
+        saying once why not elsewhere; True: required (refused with the reason); False: off.
+        ``path`` and ``path_reason`` say which ran. Trees differ from the modules' only where
+        RMSNorm's summation order tips a near tie; the output is the target's either way."""
         config = head.config
         target_config = target_model.config.get_text_config()
         target = TargetShape.of(target_model)
@@ -108,6 +118,13 @@ class EagleProposer(Proposer):
         if readout_ids is not None:
             self.readout_ids, self.lm_head = self._reduced_readout(readout_ids, config, target_vocab, backend)
         self.backend = resolve_backend(attention_backend, weight.device)
+        self.fused, self.path_reason = _fused_layer(head, fused, backend, attention_backend)
+        self.path = "fused" if self.fused is not None else "modules"
+        # the read-out's columns' token ids (None: column c is token c)
+        own = config.eagle3 or config.draft_vocab_size is not None
+        self._column_ids = (
+            self.readout_ids if self.readout_ids is not None else (head.target_ids() if own else None)
+        )
         max_len = max_len or default_max_len(getattr(target_config, "max_position_embeddings", None))
         self.max_context = max_len
         drafted = 1 + (depth - 1) * top_k  # nodes run through the head per step, root pair included
@@ -118,6 +135,9 @@ class EagleProposer(Proposer):
         self.sm_scale = config.head_dim**-0.5
         self._slot: dict[int, int] = {}  # request id -> head cache slot
         self._pending: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # pairs not yet run
+
+    def drafting_paths(self) -> dict[str, str]:
+        return {"eagle head": self.path if self.fused is not None else f"modules ({self.path_reason})"}
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
         """Draft at most ``num_nodes`` nodes, ``depth`` deep, from the next step on (within the
@@ -181,13 +201,16 @@ class EagleProposer(Proposer):
         ids, rows = reduced_rows(self.lm_head, readout_ids, target_vocab, self.top_k)
         return ids, linear.module_view(rows, backend).eval()
 
-    def _log_probs(self, h: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities over the target's vocabulary [T, V] (-inf outside a reduced read-out)."""
-        if self.readout_ids is None:
-            return self.head.log_probs(h, self.lm_head)
-        logprobs = torch.log_softmax(self.lm_head(h).float(), dim=-1)
+    def _log_probs(self, h: torch.Tensor, widen: bool) -> torch.Tensor:
+        """Log-probabilities over the read-out's columns [T, V'] (their ids: ``_column_ids``),
+        or with ``widen`` over the target's vocabulary [T, V] (-inf outside a reduced read-out),
+        what the requests' processors read."""
+        logits = self.lm_head(h) if self.readout_ids is not None else self.head.logits(h, self.lm_head)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if not widen or self._column_ids is None:
+            return logprobs
         full = logprobs.new_full((logprobs.shape[0], self.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.readout_ids, logprobs)
+        return full.index_copy_(1, self._column_ids, logprobs)
 
     def _draft(self, requests: list[ProposalRequest], root_features: torch.Tensor, depth: int) -> TokenTree:
         """One EAGLE-2 tree of ``depth`` levels per request, all of them the same depth."""
@@ -196,8 +219,8 @@ class EagleProposer(Proposer):
         ids = [r.request_id for r in requests]
         k = self.top_k
         num_nodes = min(self.total_tokens, dynamic_capacity(k, depth))
-        root_logprobs = self._log_probs(root_features)  # [B, V]
         processed = any(r.sampling.has_processors for r in requests)
+        root_logprobs = self._log_probs(root_features, widen=processed)  # [B, V']
         if processed:  # the requests' processors steer the drafts too, each node on its own path
             root_logprobs = process_draft(root_logprobs, requests, range(len(requests)), [[]] * len(requests))
             paths: list[list[list[int]]] = []  # per expansion: per request, per frontier slot
@@ -218,7 +241,7 @@ class EagleProposer(Proposer):
             run_parents = torch.where(parent_slots >= 0, (step - 2) * k + parent_slots, NO_PARENT)  # [B, K]
             h = self._run_level(slots, frontier_tokens, features, drafted, run_parents, step)
             outputs.append(h)
-            log_probs = self._log_probs(h.flatten(0, 1))
+            log_probs = self._log_probs(h.flatten(0, 1), widen=processed)
             if processed:
                 tokens, parents = frontier_tokens.tolist(), parent_slots.tolist()
                 paths.append([[(paths[-1][b][p] if step > 1 else []) + [t] for t, p in zip(tokens[b], parents[b], strict=True)]
@@ -231,7 +254,14 @@ class EagleProposer(Proposer):
 
         roots = torch.tensor([r.tokens[-1] for r in requests], device=device)
         return build_dynamic_tree(  # expand returns log_softmax outputs: no need to check them
-            roots, root_logprobs, expand, top_k=k, depth=depth, num_nodes=num_nodes, check=False
+            roots,
+            root_logprobs,
+            expand,
+            top_k=k,
+            depth=depth,
+            num_nodes=num_nodes,
+            check=False,
+            token_ids=None if processed else self._column_ids,
         )
 
     def _run_level(
@@ -255,6 +285,13 @@ class EagleProposer(Proposer):
         device = tokens.device
         num_drafted = step * k  # all nodes run this step so far, this level's the last k
         drafted.append(extend_ancestors(drafted[-1], run_parents))
+        if self.fused is not None:  # this level's rows only: the earlier ones' K/V are in the cache
+            committed = torch.tensor([self.cache.lengths[s] for s in slots]).repeat_interleave(k)
+            rows = (torch.tensor(slots).repeat_interleave(k), committed,
+                    torch.arange(num_drafted - k, num_drafted).repeat(batch), torch.full_like(committed, num_drafted))  # fmt: skip
+            h = self.fused.forward(self.embed.weight[tokens.flatten()], features.flatten(0, 1), committed + step - 1,
+                                   self.cache, rows, pack_bits(drafted[-1][:, -k:]).flatten(0, 1))  # fmt: skip
+            return h.view(batch, k, -1)
         mask = pack_bits(drafted[-1]).flatten(0, 1)  # [B * N, W]
         depth = torch.arange(num_drafted, device=device) // k
         meta = StepMetadata.build(
@@ -297,6 +334,11 @@ class EagleProposer(Proposer):
             counts.append(sum(len(chunk) for chunk, _ in pairs))
         device = self.head.fc.weight.device
         slots = [self._slot[rid] for rid in request_ids]
+        last = torch.tensor(list(itertools.accumulate(counts)), device=device) - 1
+        if self.fused is not None:
+            h = self._catch_up_fused(tokens, torch.cat(features), slots, counts)
+            self.cache.commit(slots, [list(range(n)) for n in counts])
+            return h[last]
         meta = StepMetadata.build(self.cache, counts, slots, backend=self.backend)
 
         def attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -312,8 +354,44 @@ class EagleProposer(Proposer):
             attention,
         )
         self.cache.commit(slots, [list(range(n)) for n in counts])
-        last = torch.tensor(list(itertools.accumulate(counts)), device=device) - 1
         return h[last]
+
+    def _catch_up_fused(
+        self, tokens: list[int], features: torch.Tensor, slots: list[int], counts: list[int]
+    ) -> torch.Tensor:
+        """The catch-up chains through the fused layer: each request's pairs are new rows past
+        its committed length, causal among themselves. Returns the head's outputs [T, H]."""
+        per = torch.tensor(counts)
+        committed = torch.tensor([self.cache.lengths[s] for s in slots]).repeat_interleave(per)
+        index = torch.arange(len(tokens)) - torch.tensor(
+            [0, *itertools.accumulate(counts)][:-1]
+        ).repeat_interleave(per)
+        rows = (torch.tensor(slots).repeat_interleave(per), committed, index, per.repeat_interleave(per))
+        embeds = self.embed.weight[torch.tensor(tokens)]
+        return self.fused.forward(
+            embeds, features.to(embeds.dtype), committed + index, self.cache, rows, None
+        )
+
+
+def _fused_layer(
+    head: EagleHead, fused: bool | None, linear_backend: str, attention_backend: str
+) -> tuple[FusedEagleLayer | None, str]:
+    """(the head's fused layer or None, why not): ``fused`` as EagleProposer takes it. A bf16
+    head on a CPU that still runs through its modules says why, once."""
+    if fused is False:
+        return None, "fused=False"
+    refusal = eagle_refusal(head)
+    if refusal is None and (linear_backend != "bf16-kernel" or attention_backend not in ("auto", "cpu")):
+        refusal = (f"a backend was chosen (linear {linear_backend!r}, attention {attention_backend!r}); the fused "
+                   "layer runs treespec's own kernels")  # fmt: skip
+    if refusal is None:
+        return FusedEagleLayer(head), ""
+    if fused:
+        raise ValueError(f"fused=True: {refusal}")
+    weight = head.fc.weight
+    if env_refusal() is None and weight.dtype is torch.bfloat16 and weight.device.type == "cpu":
+        say_once(f"treespec drafts with the EAGLE head through its modules, not the fused layer: {refusal}")
+    return None, refusal
 
 
 def _follow_target(head: EagleHead, target_model: PreTrainedModel) -> EagleHead:

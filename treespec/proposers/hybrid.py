@@ -83,6 +83,9 @@ class HybridProposer(Proposer):
             if p.needs_hidden:
                 p.observe_prefill(request_id, tokens, hidden)
 
+    def drafting_paths(self) -> dict[str, str]:
+        return {name: path for p in self.proposers for name, path in p.drafting_paths().items()}
+
     def release(self, request_id: int) -> None:
         self._where.pop(request_id, None)
         for p in self.proposers:

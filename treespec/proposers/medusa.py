@@ -57,6 +57,7 @@ class MedusaProposer(Proposer):
         first = next(heads.parameters())
         backend = linear.resolve_linear_backend(linear_backend, first.device, first.dtype)
         self.heads = linear.module_view(heads, backend).eval()
+        self.heads_backend = backend
         self.shape = tree or chain(config.num_heads)
         if self.shape.max_depth > config.num_heads:
             raise ValueError(
@@ -94,13 +95,16 @@ class MedusaProposer(Proposer):
         shape = self.shape.cut(depth)
         hidden = torch.stack([self._hidden[r.request_id] for r in requests])  # [B, H]
         logits = self.heads(hidden.to(weight.dtype), self.lm_head)  # [B, K, V] (or the read-out's rows)
-        if self.readout_ids is not None:
-            full = logits.new_full((*logits.shape[:2], self.vocab_size), float("-inf"))
-            logits = full.index_copy_(2, self.readout_ids, logits)
         if self.dynamic is not None:
             return self._dynamic(roots, logits[:, :depth], depth)
         candidates = logits.topk(shape.max_rank + 1, dim=-1).indices  # [B, K, k] distinct per row
+        if self.readout_ids is not None:  # read-out columns -> token ids
+            candidates = self.readout_ids[candidates]
         return build_static_tree(shape, roots, candidates, distinct=True)
+
+    def drafting_paths(self) -> dict[str, str]:
+        return {"medusa heads": "one multi-row read-out (its blocks through treespec's linear kernel)"
+                if self.heads_backend == "bf16-kernel" else f"modules (linear backend {self.heads_backend!r})"}  # fmt: skip
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
         """Dynamic trees only: at most ``num_nodes`` drafted nodes from the next step on (at most
@@ -119,7 +123,14 @@ class MedusaProposer(Proposer):
 
         num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
         return build_dynamic_tree(  # log_softmax outputs: no need to check them
-            roots, logprobs[:, 0], expand, top_k=top_k, depth=depth, num_nodes=num_nodes, check=False
+            roots,
+            logprobs[:, 0],
+            expand,
+            top_k=top_k,
+            depth=depth,
+            num_nodes=num_nodes,
+            check=False,
+            token_ids=self.readout_ids,
         )
 
     def observe(self, result: StepResult) -> None:

@@ -1,0 +1,143 @@
+"""Drafting through the fused path: an EAGLE-1 head's pass as C calls over its own cache, a draft
+model's levels through the fused decoder one level at a time, reduced read-outs that never widen
+to the whole vocabulary. Each agrees with the path it replaces, keeps the output exact, and every
+head, backend or setting it cannot serve falls back with its reason."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import build
+from test_eagle import random_head
+from test_fused import needs_kernels, road  # noqa: F401 (the fixture: each instruction road)
+
+import treespec
+from treespec.proposers import DraftModelProposer, EagleProposer, HybridProposer, NgramProposer
+from treespec.proposers.base import ProposalRequest
+from treespec.sampling import SamplingParams
+from treespec.tree import NO_PARENT, extend_ancestors
+
+PROMPTS = [list(range(5, 17)), [20, 21, 22, 23, 24], list(range(30, 52))]
+
+
+def bf16_pair(seed: int = 2, std: float = 0.05):
+    """A tiny bf16 Llama target and a random bf16 EAGLE-1 head for it."""
+    model = build("llama", seed=seed).to(torch.bfloat16)
+    return model, random_head(model, std=std, seed=seed).to(torch.bfloat16)
+
+
+def requests_of(contexts: list[list[int]]) -> list[ProposalRequest]:
+    return [ProposalRequest(i, c, len(c) - 1, SamplingParams(), 8) for i, c in enumerate(contexts)]
+
+
+@needs_kernels
+def test_the_fused_eagle_layer_agrees_with_the_heads_modules(road):  # noqa: F811
+    """Prefill pairs, a catch-up chain and two tree levels (batch of 2), through the C layer and
+    through the head's modules: the head's cache and outputs agree to bf16 rounding (weights
+    large enough that attention moves the outputs: a wrong mask or position shows)."""
+    model, head = bf16_pair(std=0.2)
+    fused = EagleProposer(head, model, top_k=3, depth=3, total_tokens=7, fused=True)
+    modules = EagleProposer(head, model, top_k=3, depth=3, total_tokens=7, fused=False)
+    assert (fused.path, modules.path) == ("fused", "modules")
+    torch.manual_seed(0)
+    hidden_size = model.config.hidden_size
+    features = [torch.randn(n, hidden_size).to(torch.bfloat16) for n in (9, 6, 2, 3)]
+    outs = []
+    for p in (fused, modules):
+        p.observe_prefill(0, list(range(10, 19)), features[0])
+        p.observe_prefill(1, list(range(40, 46)), features[1])
+        p._pending[0], p._pending[1] = [([7, 8], features[2])], [([3, 4, 5], features[3])]
+        roots = p._catch_up([0, 1])
+        slots = [p._slot[0], p._slot[1]]
+        drafted = [torch.zeros(2, 0, 0, dtype=torch.bool)]
+        level_1 = p._run_level(slots, torch.tensor([[1, 2, 3], [4, 5, 6]]), roots[:, None].expand(-1, 3, -1),
+                               drafted, torch.full((2, 3), NO_PARENT), 1)  # fmt: skip
+        parents = torch.tensor([[0, 0, 2], [1, 2, 2]])
+        level_2 = p._run_level(slots, torch.tensor([[7, 8, 9], [10, 11, 12]]), level_1.gather(1, parents[..., None].expand(-1, -1, hidden_size)),
+                               drafted, parents, 2)  # fmt: skip
+        outs.append((roots, level_1, level_2, p.cache.keys.clone(), p.cache.values.clone(), list(p.cache.lengths)))
+    for got, want in zip(outs[0][:5], outs[1][:5], strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert outs[0][5] == outs[1][5] == [11, 9] + [0] * (len(outs[0][5]) - 2)
+    assert outs[0][1].abs().sum() > 0 and outs[0][3].abs().sum() > 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("readout", [None, range(64)])
+def test_fused_drafting_keeps_plain_decodings_tokens(readout, road):  # noqa: F811
+    """EAGLE (its own layer in C), the draft model (levels one at a time) and the hybrid, each at
+    batch 1 and 3 with chunked prefill: the tokens of plain decoding on the same fused target."""
+    model, head = bf16_pair(seed=5)
+    draft = build("llama", seed=6, num_hidden_layers=2).to(torch.bfloat16)
+    want = treespec.generate(model, PROMPTS, max_new_tokens=14).sequences
+    makers = {
+        "eagle": lambda: EagleProposer(head, model, top_k=3, depth=4, total_tokens=9, readout_ids=readout),
+        "draft": lambda: DraftModelProposer(draft, target_model=model, dynamic=(3, 4, 9), readout_ids=readout),
+        "hybrid": lambda: HybridProposer(EagleProposer(head, model, top_k=2, depth=3, total_tokens=5),
+                                         NgramProposer(max_depth=3, max_nodes=3)),  # fmt: skip
+    }
+    for name, make in makers.items():
+        for batch in (1, 3):
+            proposer = make()
+            assert all(path == "fused" for path in proposer.drafting_paths().values()), name
+            out = treespec.generate(model, PROMPTS[:batch], max_new_tokens=14, proposer=proposer,
+                                    prefill_chunk_size=4)  # fmt: skip
+            assert out.sequences == want[:batch], (name, batch)
+            assert out.stats.drafted_nodes > 0
+
+
+@needs_kernels
+def test_a_draft_models_newest_level_alone_has_the_bits_of_rerunning_every_level():
+    """Through the fused decoder the draft runs only the newest level (the earlier levels' K/V
+    are in its cache); its logits are bit for bit those of running every level again."""
+    draft = build("llama", seed=7, num_hidden_layers=2).to(torch.bfloat16)
+    proposer = DraftModelProposer(draft, dynamic=(3, 4, 12))
+    requests = requests_of([list(range(3, 14)), list(range(50, 57))])
+    proposer._catch_up(requests)
+    slots = [proposer._slot[r.request_id] for r in requests]
+    levels = [(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.full((2, 3), NO_PARENT))]
+    for tokens, parents in (([[7, 8, 9], [10, 11, 12]], [[0, 0, 2], [1, 1, 1]]), ([[13, 14, 15], [16, 17, 18]], [[2, 1, 0], [0, 2, 2]])):  # fmt: skip
+        newest = proposer._score_levels(requests, levels)  # writes this level's K/V
+        visible = torch.zeros(2, 0, 0, dtype=torch.bool)
+        for level, (_, parent_slots) in enumerate(levels):
+            visible = extend_ancestors(visible, torch.where(parent_slots >= 0, (level - 1) * 3 + parent_slots, -1))
+        again = proposer._score_all_levels(slots, levels, visible, widen=True)
+        assert torch.equal(newest, again)
+        levels.append((torch.tensor(tokens), torch.tensor(parents)))
+
+
+@needs_kernels
+def test_what_the_fused_drafting_cannot_serve_drafts_through_the_modules_with_its_reason(monkeypatch):
+    model = build("llama", seed=3).to(torch.bfloat16)
+    eagle3 = random_head(model, eagle3=True, draft_vocab=64).to(torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="through its modules, not the fused layer: an EAGLE-3 layer"):
+        proposer = EagleProposer(eagle3, model, top_k=2, depth=3, total_tokens=5)
+    assert proposer.path == "modules" and "EAGLE-3" in proposer.path_reason
+    assert proposer.drafting_paths() == {"eagle head": f"modules ({proposer.path_reason})"}
+    want = treespec.generate(model, PROMPTS[:2], max_new_tokens=10).sequences
+    assert treespec.generate(model, PROMPTS[:2], max_new_tokens=10, proposer=proposer).sequences == want
+    with pytest.raises(ValueError, match="fused=True: an EAGLE-3 layer attends over"):
+        EagleProposer(eagle3, model, top_k=2, depth=3, total_tokens=5, fused=True)
+    head = random_head(model).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for: no warning
+        off = EagleProposer(head, model, top_k=2, depth=3, total_tokens=5, fused=False)
+    assert (off.path, off.path_reason) == ("modules", "fused=False")
+    with pytest.warns(RuntimeWarning, match="a backend was chosen"):
+        forced = EagleProposer(head, model, top_k=2, depth=3, total_tokens=5, linear_backend="native")
+    assert forced.path == "modules" and "a backend was chosen (linear 'native'" in forced.path_reason
+    fp32 = build("llama", seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fp32 drafts through the modules by nature: nothing to say
+        plain = EagleProposer(random_head(fp32), fp32, top_k=2, depth=3, total_tokens=5)
+    assert plain.path == "modules" and "bf16 heads on a CPU" in plain.path_reason
+    monkeypatch.setenv("TREESPEC_FUSED", "0")
+    env_off = EagleProposer(copy.deepcopy(head), model, top_k=2, depth=3, total_tokens=5)
+    assert env_off.path_reason == "turned off by TREESPEC_FUSED=0"
+    draft = DraftModelProposer(build("llama", seed=4, num_hidden_layers=2).to(torch.bfloat16), dynamic=(2, 3, 5))
+    assert draft.drafting_paths() == {"draft model": "modules (turned off by TREESPEC_FUSED=0)"}
+    assert treespec.generate(model, PROMPTS[:2], max_new_tokens=10, proposer=draft).sequences == want
+    assert NgramProposer().drafting_paths() == {}

@@ -58,7 +58,9 @@ def test_the_fused_eagle_layer_agrees_with_the_heads_modules(road):  # noqa: F81
         parents = torch.tensor([[0, 0, 2], [1, 2, 2]])
         level_2 = p._run_level(slots, torch.tensor([[7, 8, 9], [10, 11, 12]]), level_1.gather(1, parents[..., None].expand(-1, -1, hidden_size)),
                                drafted, parents, 2)  # fmt: skip
-        outs.append((roots, level_1, level_2, p.cache.keys.clone(), p.cache.values.clone(), list(p.cache.lengths)))
+        outs.append(
+            (roots, level_1, level_2, p.cache.keys.clone(), p.cache.values.clone(), list(p.cache.lengths))
+        )
     for got, want in zip(outs[0][:5], outs[1][:5], strict=True):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert outs[0][5] == outs[1][5] == [11, 9] + [0] * (len(outs[0][5]) - 2)
@@ -75,9 +77,13 @@ def test_fused_drafting_keeps_plain_decodings_tokens(readout, road):  # noqa: F8
     want = treespec.generate(model, PROMPTS, max_new_tokens=14).sequences
     makers = {
         "eagle": lambda: EagleProposer(head, model, top_k=3, depth=4, total_tokens=9, readout_ids=readout),
-        "draft": lambda: DraftModelProposer(draft, target_model=model, dynamic=(3, 4, 9), readout_ids=readout),
-        "hybrid": lambda: HybridProposer(EagleProposer(head, model, top_k=2, depth=3, total_tokens=5),
-                                         NgramProposer(max_depth=3, max_nodes=3)),  # fmt: skip
+        "draft": lambda: DraftModelProposer(
+            draft, target_model=model, dynamic=(3, 4, 9), readout_ids=readout
+        ),
+        "hybrid": lambda: HybridProposer(
+            EagleProposer(head, model, top_k=2, depth=3, total_tokens=5),
+            NgramProposer(max_depth=3, max_nodes=3),
+        ),  # fmt: skip
     }
     for name, make in makers.items():
         for batch in (1, 3):
@@ -103,7 +109,9 @@ def test_a_draft_models_newest_level_alone_has_the_bits_of_rerunning_every_level
         newest = proposer._score_levels(requests, levels)  # writes this level's K/V
         visible = torch.zeros(2, 0, 0, dtype=torch.bool)
         for level, (_, parent_slots) in enumerate(levels):
-            visible = extend_ancestors(visible, torch.where(parent_slots >= 0, (level - 1) * 3 + parent_slots, -1))
+            visible = extend_ancestors(
+                visible, torch.where(parent_slots >= 0, (level - 1) * 3 + parent_slots, -1)
+            )
         again = proposer._score_all_levels(slots, levels, visible, widen=True)
         assert torch.equal(newest, again)
         levels.append((torch.tensor(tokens), torch.tensor(parents)))
@@ -137,7 +145,9 @@ def test_what_the_fused_drafting_cannot_serve_drafts_through_the_modules_with_it
     monkeypatch.setenv("TREESPEC_FUSED", "0")
     env_off = EagleProposer(copy.deepcopy(head), model, top_k=2, depth=3, total_tokens=5)
     assert env_off.path_reason == "turned off by TREESPEC_FUSED=0"
-    draft = DraftModelProposer(build("llama", seed=4, num_hidden_layers=2).to(torch.bfloat16), dynamic=(2, 3, 5))
+    draft = DraftModelProposer(
+        build("llama", seed=4, num_hidden_layers=2).to(torch.bfloat16), dynamic=(2, 3, 5)
+    )
     assert draft.drafting_paths() == {"draft model": "modules (turned off by TREESPEC_FUSED=0)"}
     assert treespec.generate(model, PROMPTS[:2], max_new_tokens=10, proposer=draft).sequences == want
     assert NgramProposer().drafting_paths() == {}

@@ -474,7 +474,9 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
             entry["decode_steps"] = len(lengths)
             # per request and decoding step: the tree size the budget settled on
             entry["mean_drafted_nodes"] = sum(r["drafted_nodes"] for r in runs) / max(len(lengths), 1)
-            entry["drafting"] = runs[0].get("drafting", {})  # what ran each drafter: fused, or modules and why
+            entry["drafting"] = runs[0].get(
+                "drafting", {}
+            )  # what ran each drafter: fused, or modules and why
         elif "target_forwards" in runs[0]:  # HF: the tokens after the prefill's over the forwards after it
             entry["mean_accepted_tokens"] = _hf_tau(runs, new)
         if config.temperature == 0:

@@ -166,6 +166,46 @@ def test_query_heads_that_share_key_loads_get_the_bits_of_each_head_alone(group,
 
 
 @needs_kernels
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_of_many_rows_keeps_each_rows_bits_on_every_road(head_dim, road):
+    """A 10-node tree (30 query columns: the AMX road's tile products take 16 at a time) whose
+    keys end exactly at the cache's last position (a partial block of keys read from a padded
+    copy), beside a 3-token chain of another request: close to the float64 specification, and
+    every node has the bits of its autoregressive step (its ancestors committed, one row)."""
+    torch.manual_seed(head_dim)
+    length, prefix, parents = 45, 35, [-1, 0, 0, 1, 1, 2, 3, 6, 6, 4]
+    k_cache, v_cache = torch.randn(2, 3, 2, length, head_dim).bfloat16()
+    q = torch.randn(13, 6, head_dim).bfloat16()
+    from treespec.tree import TokenTree
+
+    tree = TokenTree.from_lists([list(range(10)), [0, 1, 2]], [parents, [-1, 0, 1]])
+    cu_q, slots, prefixes = torch.tensor([0, 10, 13]), torch.tensor([1, 0]), torch.tensor([prefix, 5])
+    out = tree_attention(
+        q, k_cache, v_cache, cu_q, slots, prefixes, tree.tree_mask, sm_scale=0.125, backend="cpu"
+    )
+    want = tree_attention_naive(q.double(), k_cache.double(), v_cache.double(), cu_q, slots, prefixes,
+                                tree.tree_mask, sm_scale=0.125)  # fmt: skip
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2**-7)
+    for node in range(10):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path = path[::-1]  # the root first
+        k_ar, v_ar = k_cache.clone(), v_cache.clone()
+        for depth, n in enumerate(path):  # ancestors committed in order, the node last
+            k_ar[1, :, prefix + depth], v_ar[1, :, prefix + depth] = (
+                k_cache[1, :, prefix + n],
+                v_cache[1, :, prefix + n],
+            )
+        single = tree_attention(q[node : node + 1], k_ar, v_ar, torch.tensor([0, 1]), slots[:1],
+                                torch.tensor([prefix + len(path) - 1]), None, sm_scale=0.125, backend="cpu")  # fmt: skip
+        assert torch.equal(single, out[node : node + 1]), node
+    chain = tree_attention(q[10:], k_cache, v_cache, torch.tensor([0, 3]), slots[1:], prefixes[1:], None,
+                           sm_scale=0.125, backend="cpu")  # fmt: skip
+    assert torch.equal(chain, out[10:])
+
+
+@needs_kernels
 def test_attention_refuses_inputs_outside_the_contract():
     """The kernel reads raw pointers: bad shapes or slots are refused before it runs."""
     q, k_cache, v_cache, cu_q, slots, prefix, tree_mask = tree_case()

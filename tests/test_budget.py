@@ -104,7 +104,8 @@ def test_a_pessimistic_budget_still_probes_and_learns():
     eagle = EagleProposer(random_head(model), model, top_k=2, depth=3, total_tokens=6)
     steep = BudgetChooser(CostModel([1, 8, 64], [1.0, 8.0, 64.0]))
     ticks = iter(range(10**6))  # one second per clock reading: measured steps agree with the curve
-    proposer = AdaptiveProposer(eagle, steep, probe_every=4, clock=lambda: float(next(ticks)))
+    proposer = AdaptiveProposer(eagle, steep, probe_every=4, clock=lambda: float(next(ticks)),
+                                probe_share=1.0)  # drafting here costs a step: the waits are the doubling's  # fmt: skip
     treespec.generate(model, [[5, 6, 7]], max_new_tokens=40, proposer=proposer)
     probes = [i for i, n in enumerate(proposer.chosen) if n]
     assert probes[:3] == [3, 11, 27]  # waits of 4, then 8, then 16 idle steps (a random head never pays)
@@ -206,7 +207,7 @@ class ScriptedChooser(BudgetChooser):
         super().__init__(CostModel([1, 8, 64], [1.0, 1.0, 1.0]))
         self.sizes = itertools.cycle(sizes)
 
-    def choose(self, rates, batch_size, cap=None, min_nodes=0):
+    def choose(self, rates, batch_size, cap=None, min_nodes=0, expected=None):
         return next(self.sizes), 1, 1.0
 
 
@@ -285,3 +286,57 @@ def test_a_proposer_for_the_next_request_starts_from_the_measured_rates():
     run(second, 7)
     assert second.chosen == [0] * 7  # no probe is due yet
     assert second.stats.trials == AcceptanceStats().trials
+
+
+def test_the_expected_tokens_are_kept_between_refreshes_not_summed_every_step():
+    """Summing the best paths is the chooser's costly part: the proposer sums them after every
+    step while its estimates are young (4 * refresh steps), then every refresh-th step, and the
+    table it keeps is then exactly what the statistics of that step give."""
+    now = [0.0]
+    chooser = BudgetChooser(CostModel([1, 8, 64], [1.0, 1.0, 1.0]))
+    calls = []
+    summed = chooser.expected_tokens
+    chooser.expected_tokens = lambda rates, n: calls.append(n) or summed(rates, n)
+    proposer = AdaptiveProposer(ChainOfBudget(), chooser, clock=lambda: now[0], refresh=8)
+    request = ProposalRequest(0, [7], 1, SamplingParams(), 1000)
+    for step in range(96):
+        tree = proposer.propose([request])
+        now[0] += 1.0
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        accepted = list(range(len(tokens))) if step % 3 else [0]  # two steps in three accept everything
+        proposer.observe(StepResult([RequestResult(0, tokens, parents, accepted, [0] * len(accepted))]))
+        if step == 63:
+            fresh = summed(proposer.stats.rates(), len(proposer._table[0]) - 1)
+    assert len(calls) <= 32 + 64 // 8 + 1  # young: at most every step; then every 8th
+    cap = len(proposer._table[0]) - 1
+    kept = proposer._table
+    if proposer._since_table < 8:  # not due: the kept table comes back as it is
+        assert proposer._expected(cap) is kept
+    proposer._since_table = 8  # due: summed again from the statistics now
+    assert proposer._expected(cap) == summed(proposer.stats.rates(), cap) != fresh
+
+
+def test_a_dear_probe_pushes_the_next_one_out_so_probing_stays_within_its_share():
+    """Trees that lose, drafted by a proposer whose drafting costs 50 plain steps (a draft model
+    catching up a long prompt): after the first probe the next waits until that cost is at most
+    probe_share of the steps in between, so over 500 steps probing costs about 2 % of them, where
+    the doubling alone (waits of 8, 16, 32, 64, 64, ...) would have probed ten times (50 % more
+    time)."""
+    now = [0.0]
+
+    class DearChain(ChainOfBudget):
+        def propose(self, requests):
+            now[0] += 50.0
+            return super().propose(requests)
+
+    steep = BudgetChooser(CostModel([1, 8, 64], [1.0, 8.0, 64.0]))  # no tree pays
+    proposer = AdaptiveProposer(DearChain(), steep, probe_every=8, clock=lambda: now[0])
+    request = ProposalRequest(0, [7], 1, SamplingParams(), 1000)
+    for _ in range(500):
+        tree = proposer.propose([request])
+        now[0] += 1.0
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        proposer.observe(StepResult([RequestResult(0, tokens, parents, [0], [0])]))
+    probes = [i for i, n in enumerate(proposer.chosen) if n]
+    assert probes[0] == 7 and len(probes) == 1  # 50 / (0.02 x 1) = 2,500 steps to the next
+    assert proposer._wait == 2500

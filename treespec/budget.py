@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import statistics
 import time
 from collections import deque
@@ -204,11 +205,19 @@ class BudgetChooser:
         return totals, depths
 
     def choose(
-        self, rates: list[list[float]], batch_size: int, cap: int | None = None, min_nodes: int = 0
+        self,
+        rates: list[list[float]],
+        batch_size: int,
+        cap: int | None = None,
+        min_nodes: int = 0,
+        expected: tuple[list[float], list[int]] | None = None,
     ) -> tuple[int, int, float]:
         """(nodes per request, depth, expected tokens per second) for B requests, with at least
-        ``min_nodes`` nodes."""
-        totals, depths = self.expected_tokens(rates, min(cap or self.max_nodes, self.max_nodes))
+        ``min_nodes`` nodes. ``expected``: what ``expected_tokens(rates, cap)`` returns, when the
+        caller keeps it (the adaptive proposer refreshes it every few steps: it is the costly part)."""
+        limit = min(cap or self.max_nodes, self.max_nodes)
+        totals, depths = expected if expected is not None else self.expected_tokens(rates, limit)
+        totals, depths = totals[: limit + 1], depths[: limit + 1]
         best = (0, 0, 0.0)
         for n in range(min(min_nodes, len(totals) - 1), len(totals)):
             seconds = self.forward_cost(batch_size * (n + 1))
@@ -263,6 +272,8 @@ class AdaptiveProposer(WrappingProposer):
         probe_every: int = 8,
         clock: Callable[[], float] = time.perf_counter,
         throughput: StepThroughput | None = None,
+        refresh: int = 8,
+        probe_share: float = 0.02,
     ) -> None:
         """``probe_every``: when speculating does not pay, still draft the best non-empty tree
         after this many idle steps, so the acceptance estimates keep learning (else a
@@ -278,7 +289,11 @@ class AdaptiveProposer(WrappingProposer):
         (seconds) is a parameter so that tests can drive it. ``throughput``: the measured rates
         to start from and add to; pass one :class:`StepThroughput` to the proposers of successive
         requests on one machine (as the chooser's cost curve is shared) so that each does not
-        relearn that trees lose here; acceptance statistics stay each proposer's own."""
+        relearn that trees lose here; acceptance statistics stay each proposer's own.
+        ``refresh``: steps between refreshes of the expected tokens per tree size (``_expected``).
+        ``probe_share``: the most that probing may cost, as a share of the steps between probes:
+        a probe whose drafting was dear (a draft model catching up a long prompt) pushes the
+        next one further out (``_pay_for_probe``)."""
         if not isinstance(proposer, Proposer) or not proposer.has_budget:
             raise TypeError(
                 f"{type(proposer).__name__} has no settable budget (has_budget is False, no set_budget): its tree size is fixed"
@@ -298,6 +313,11 @@ class AdaptiveProposer(WrappingProposer):
         )  # (nodes, seconds) of recent proposals
         self._fit: tuple[float, float] | None = None  # _propose_times' line, until it changes
         self._open_step: tuple[float, int, int] | None = None  # (start, nodes, batch) of the step under way
+        self.refresh = refresh
+        self.probe_share = probe_share
+        self._probing = False  # the step under way is a probe
+        self._table: tuple[list[float], list[int]] | None = None  # the chooser's expected tokens, kept
+        self._observed = self._since_table = 0  # steps observed, and since the table was made
         self._step_tokens = 0  # tokens committed by the step under way
         if chooser.propose_cost is None:
             chooser.propose_cost = self._propose_cost
@@ -345,7 +365,9 @@ class AdaptiveProposer(WrappingProposer):
         if lose and self._idle + 1 < self._wait:
             nodes = depth = 0
         else:
-            nodes, depth, _ = self.chooser.choose(self.stats.rates(), batch, cap=cap)
+            nodes, depth, _ = self.chooser.choose(
+                self.stats.rates(), batch, cap=cap, expected=self._expected(cap)
+            )
             if nodes and lose:
                 nodes = depth = 0
         if nodes and self._since_plain >= self._baseline_every():
@@ -356,10 +378,34 @@ class AdaptiveProposer(WrappingProposer):
         else:
             self._idle += 1
             self._since_plain = 0
+        self._probing = False
         if self._idle >= self._wait:  # a probe: the best tree that drafts something
-            nodes, depth, _ = self.chooser.choose(self.stats.rates(), batch, cap=cap, min_nodes=1)
+            nodes, depth, _ = self.chooser.choose(self.stats.rates(), batch, cap=cap, min_nodes=1,
+                                                  expected=self._expected(cap))  # fmt: skip
             self._idle, self._wait = 0, min(2 * self._wait, 8 * self.probe_every)
+            self._probing = True
         return nodes, depth
+
+    def _pay_for_probe(self, seconds: float, batch: int) -> None:
+        """A probe drafted for ``seconds`` (a draft model's first one catches up the whole
+        prompt): stretch the wait for the next one so that probing costs at most ``probe_share``
+        of the steps between probes, at the measured time of a step without a tree."""
+        plain = self.throughput.plain
+        step = sum(t for t, _ in plain) / len(plain) if plain else self.chooser.forward_cost(batch)
+        if step > 0:
+            self._wait = max(self._wait, math.ceil(seconds / (self.probe_share * step)))
+
+    def _expected(self, cap: int) -> tuple[list[float], list[int]]:
+        """The chooser's expected tokens per tree size from the acceptance statistics, kept
+        between refreshes: summing the best paths costs about a millisecond of Python, more than
+        a step's drafting when trees are off. Refreshed after every observed step for the first
+        ``4 * refresh`` steps (the estimates move fast while they are young), then every
+        ``refresh``-th, and whenever a larger cap is asked."""
+        young = self._observed < 4 * self.refresh
+        if self._table is None or len(self._table[0]) < cap + 1 or young or self._since_table >= self.refresh:
+            self._table = self.chooser.expected_tokens(self.stats.rates(), cap)
+            self._since_table = 0
+        return self._table
 
     def _baseline_every(self) -> int:
         """Tree steps between baseline steps: ``4 * probe_every`` once the guard has its two
@@ -380,12 +426,17 @@ class AdaptiveProposer(WrappingProposer):
             return TokenTree.roots([r.tokens[-1] for r in requests])
         self.proposer.set_budget(nodes, max(depth, 1))
         tree = self.proposer.propose(requests)
-        self._propose_times.append((nodes, self.clock() - now))
+        seconds = self.clock() - now
+        self._propose_times.append((nodes, seconds))
         self._fit = None
+        if self._probing:
+            self._pay_for_probe(seconds, len(requests))
         return tree
 
     def observe(self, result: StepResult) -> None:
         for request in result.requests:
             self.stats.update(request.tree_tokens, request.tree_parents, request.accepted)
             self._step_tokens += len(request.committed)
+        self._observed += 1
+        self._since_table += 1
         self.proposer.observe(result)

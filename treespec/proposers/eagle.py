@@ -35,6 +35,7 @@ from treespec.cache import KVCache, default_max_len
 from treespec.fused import FusedEagleLayer, eagle_refusal, env_refusal, say_once
 from treespec.heads.eagle import EagleHead
 from treespec.heads.fit import TargetShape
+from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import resolve_backend
 from treespec.processors import process_draft
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
@@ -205,7 +206,12 @@ class EagleProposer(Proposer):
         """Log-probabilities over the read-out's columns [T, V'] (their ids: ``_column_ids``),
         or with ``widen`` over the target's vocabulary [T, V] (-inf outside a reduced read-out),
         what the requests' processors read."""
-        logits = self.lm_head(h) if self.readout_ids is not None else self.head.logits(h, self.lm_head)
+        if self.fused is not None:  # an EAGLE-1 read-out: the kernel, without the module's checks
+            logits = cpu_kernels.linear_unchecked(h, self.lm_head.weight, None)
+        elif self.readout_ids is not None:
+            logits = self.lm_head(h)
+        else:
+            logits = self.head.logits(h, self.lm_head)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         if not widen or self._column_ids is None:
             return logprobs

@@ -325,6 +325,38 @@ AMX_TARGET static void amx_group(const uint16_t *w, int64_t rows_left, int64_t K
     if (blocks > 2) _tile_stored(2, acc + 512, 64);
 }
 
+/* Two consecutive chunks of 16 rows of x (xp0, xp1) against `blocks` (1-2) blocks of 16 weight
+ * rows: each weight tile is loaded once for both chunks (accumulators 0-3: block b, chunk c at
+ * tile 2c + b; x in 4-5; weights in 6-7). acc [2 chunks][2 blocks][16][16]. Each output is the
+ * same one tdpbf16ps per block of 32 columns in increasing k as amx_group's. */
+AMX_TARGET static void amx_group2(const uint16_t *w, int64_t rows_left, int64_t K, const uint32_t *xp0,
+                                  const uint32_t *xp1, int blocks, float *acc, uint16_t (*scratch)[16 * 32]) {
+    const int64_t KB = (K + 31) / 32;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const int in_place = 32 * kb + 32 <= K;
+        AMX_LOAD(6, 0);
+        if (blocks > 1) AMX_LOAD(7, 1);
+        _tile_loadd(4, xp0 + kb * 256, 64);
+        _tile_loadd(5, xp1 + kb * 256, 64);
+        _tile_dpbf16ps(0, 6, 4);
+        _tile_dpbf16ps(2, 6, 5);
+        if (blocks > 1) {
+            _tile_dpbf16ps(1, 7, 4);
+            _tile_dpbf16ps(3, 7, 5);
+        }
+    }
+    _tile_stored(0, acc, 64);
+    _tile_stored(2, acc + 512, 64);
+    if (blocks > 1) {
+        _tile_stored(1, acc + 256, 64);
+        _tile_stored(3, acc + 768, 64);
+    }
+}
+
 /* linear_share on the AMX road: thread `me` takes a contiguous range of the matrices' blocks of
  * 16 weight rows (matrix i owns blocks first_block[i] .. first_block[i+1]-1), groups of up to
  * AMX_BLOCKS at a time, each against every chunk of 16 rows of x. xp is this thread's buffer for the
@@ -335,7 +367,7 @@ AMX_TARGET static void amx_share(int64_t me, int64_t threads, const uint16_t *xb
     const int64_t blocks = first_block[count], KB = (K + 31) / 32, chunks = (M + 15) / 16;
     const int64_t b0 = blocks * me / threads, b1 = blocks * (me + 1) / threads;
     if (b0 >= b1) return;
-    float acc[AMX_BLOCKS * 256];
+    float acc[4 * 256]; /* amx_group's AMX_BLOCKS tiles or amx_group2's four */
     uint16_t scratch[AMX_BLOCKS][16 * 32];
     amx_pack(xb, M, K, xp);
     amx_configure();
@@ -346,6 +378,26 @@ AMX_TARGET static void amx_share(int64_t me, int64_t threads, const uint16_t *xb
         const int group = end - b < AMX_BLOCKS ? (int)(end - b) : AMX_BLOCKS;
         const int64_t n = 16 * (b - first_block[i]), rows_left = N[i] - n;
         const uint16_t *wg = w[i] + n * K;
+        if (chunks >= 2) { /* pairs of chunks share each weight tile load: groups of two blocks */
+            const int pair = group < 2 ? group : 2;
+            for (int64_t c = 0; c < chunks; c += 2) {
+                const int both = c + 1 < chunks;
+                if (both)
+                    amx_group2(wg, rows_left, K, xp + c * KB * 256, xp + (c + 1) * KB * 256, pair, acc, scratch);
+                else
+                    amx_group(wg, rows_left, K, xp + c * KB * 256, pair, acc, scratch);
+                for (int half = 0; half <= both; half++) {
+                    const int64_t cc = c + half, cols = M - 16 * cc < 16 ? M - 16 * cc : 16;
+                    for (int blk = 0; blk < pair && 16 * blk < rows_left; blk++) {
+                        const int64_t rows = rows_left - 16 * blk < 16 ? rows_left - 16 * blk : 16, at = n + 16 * blk;
+                        amx_write_back(acc + 512 * half + 256 * blk, rows, cols, bias[i] ? bias[i] + at : 0,
+                                       y[i] + 16 * cc * N[i] + at, N[i]);
+                    }
+                }
+            }
+            b += pair;
+            continue;
+        }
         for (int64_t c = 0; c < chunks; c++) {
             amx_group(wg, rows_left, K, xp + c * KB * 256, group, acc, scratch);
             const int64_t cols = M - 16 * c < 16 ? M - 16 * c : 16;

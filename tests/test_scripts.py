@@ -217,9 +217,11 @@ def test_serve_check_exports_each_kind_and_reads_it_back(tmp_path, monkeypatch, 
                     reason="vLLM's CPU build is not installed (../shared/peers/setup.sh)")  # fmt: skip
 def test_serve_check_against_vllm(tmp_path, monkeypatch):
     """Where vLLM's CPU build is installed: the shipped EAGLE head, exported, drafts in vLLM with
-    the tokens per step treespec gets from it (within 5 %)."""
+    the tokens per step treespec gets from it (within 5 %). Four prompts of 64 tokens: with two of
+    32 the requests' last steps (which draft fewer tokens in treespec's count) alone moved the
+    ratio 7.5 % on identical outputs."""
     out = tmp_path / "serve.json"
-    run_script("serve_check", ["--heads", "eagle=smollm2-135m-instruct-eagle", "--n", "2", "--new", "32",
+    run_script("serve_check", ["--heads", "eagle=smollm2-135m-instruct-eagle", "--n", "4", "--new", "64",
                                "--out", str(tmp_path / "exported"), "--json", str(out)], monkeypatch)  # fmt: skip
     entry = json.loads(out.read_text())["heads"]["eagle"]
     assert abs(entry["vllm_over_treespec"] - 1) <= 0.05, entry

@@ -14,7 +14,7 @@ from treespec.proposers import EagleProposer, NgramProposer, ProposalRequest, Pr
 from treespec.proposers.base import RequestResult, StepResult
 from treespec.sampling import SamplingParams
 from treespec.target import Target
-from treespec.tree import TokenTree
+from treespec.tree import TokenTree, best_paths
 
 RATES = [[0.8, 0.3, 0.1], [0.7, 0.2, 0.1], [0.6, 0.2], [0.5, 0.2], [0.5]]
 
@@ -295,8 +295,8 @@ def test_the_expected_tokens_are_kept_between_refreshes_not_summed_every_step():
     now = [0.0]
     chooser = BudgetChooser(CostModel([1, 8, 64], [1.0, 1.0, 1.0]))
     calls = []
-    summed = chooser.expected_tokens
-    chooser.expected_tokens = lambda rates, n: calls.append(n) or summed(rates, n)
+    summed = chooser.expected_by_depth
+    chooser.expected_by_depth = lambda rates, n: calls.append(n) or summed(rates, n)
     proposer = AdaptiveProposer(ChainOfBudget(), chooser, clock=lambda: now[0], refresh=8)
     request = ProposalRequest(0, [7], 1, SamplingParams(), 1000)
     for step in range(96):
@@ -306,14 +306,32 @@ def test_the_expected_tokens_are_kept_between_refreshes_not_summed_every_step():
         accepted = list(range(len(tokens))) if step % 3 else [0]  # two steps in three accept everything
         proposer.observe(StepResult([RequestResult(0, tokens, parents, accepted, [0] * len(accepted))]))
         if step == 63:
-            fresh = summed(proposer.stats.rates(), len(proposer._table[0]) - 1)
+            fresh = summed(proposer.stats.rates(), proposer._table_cap)
     assert len(calls) <= 32 + 64 // 8 + 1  # young: at most every step; then every 8th
-    cap = len(proposer._table[0]) - 1
-    kept = proposer._table
+    cap, kept = proposer._table_cap, proposer._table
     if proposer._since_table < 8:  # not due: the kept table comes back as it is
         assert proposer._expected(cap) is kept
     proposer._since_table = 8  # due: summed again from the statistics now
     assert proposer._expected(cap) == summed(proposer.stats.rates(), cap) != fresh
+
+
+def test_a_wide_shallow_tree_wins_when_drafting_pays_per_level():
+    """Acceptance that barely grows past depth 1 and drafting that costs a step per level: the
+    chooser takes a shallow tree of several siblings, where with free levels it goes deep. Each
+    depth cap's table is the best trees no deeper than it (one pass of best_paths)."""
+    rates = [[0.6, 0.3, 0.2, 0.1], [0.5, 0.2, 0.1, 0.05], [0.5, 0.2, 0.1, 0.05], [0.5, 0.2, 0.1, 0.05]]
+    flat = CostModel([1, 8, 64], [1.0, 1.0, 1.0])
+    tables = BudgetChooser(flat).expected_by_depth(rates, 12)
+    assert [len(t) - 1 for t in tables] == [4, 12, 12, 12]  # depth 1 holds four paths at most
+    for depth, table in enumerate(tables, start=1):  # the first n paths no longer than the cap
+        allowed = [p for p, path in itertools.islice(best_paths(rates), 500) if len(path) <= depth][:12]
+        assert table == pytest.approx(list(itertools.accumulate(allowed, initial=1.0)))
+    per_level = BudgetChooser(flat, propose_cost=lambda nodes, depth: 1.0 * depth)
+    free = BudgetChooser(flat, propose_cost=lambda nodes, depth: 0.0)
+    nodes, depth, _ = per_level.choose(rates, 1, cap=12)
+    assert depth == 1 and nodes >= 2
+    assert free.choose(rates, 1, cap=12)[1] >= 3
+    assert per_level.choose(rates, 1, cap=12, min_nodes=1)[0] >= 1
 
 
 def test_a_dear_probe_pushes_the_next_one_out_so_probing_stays_within_its_share():
@@ -340,3 +358,30 @@ def test_a_dear_probe_pushes_the_next_one_out_so_probing_stays_within_its_share(
     probes = [i for i, n in enumerate(proposer.chosen) if n]
     assert probes[0] == 7 and len(probes) == 1  # 50 / (0.02 x 1) = 2,500 steps to the next
     assert proposer._wait == 2500
+
+
+def test_the_drafting_cost_leaves_out_the_catch_up_of_idle_steps():
+    """A head that catches up its cache before drafting pays for the steps since its last tree,
+    not for the tree: the fitted drafting cost is the tree's alone, while the step's forward is
+    still measured net of the whole proposal."""
+    now = [0.0]
+
+    class CatchingUp(TimedChain):
+        def propose(self, requests):
+            self.catch_up_s = 5.0  # the context since the last tree, through the head
+            now[0] += self.catch_up_s
+            return super().propose(requests)
+
+    chain = CatchingUp(now)
+    proposer = AdaptiveProposer(chain, ScriptedChooser([2, 4, 6, 8]), clock=lambda: now[0])
+    request = ProposalRequest(0, [7], 1, SamplingParams(), 1000)
+    for _ in range(8):
+        tree = proposer.propose([request])
+        now[0] += 1.0  # the forward
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        everything = RequestResult(0, tokens, parents, list(range(len(tokens))), tokens[1:] + [0])
+        proposer.observe(StepResult([everything]))
+    assert proposer.chooser.propose_cost(20, 1) == pytest.approx(0.5 + 0.1 * 20)
+    assert proposer.chooser.forward_cost(9) == pytest.approx(
+        1.0, abs=0.3
+    )  # not 6: the catch-up is no forward

@@ -190,7 +190,8 @@ class AcceptanceStats:
 @dataclass
 class BudgetChooser:
     forward_cost: CostModel
-    propose_cost: Callable[[int], float] | None = None  # seconds to draft n nodes per request; None: free
+    # seconds to draft n nodes per request at most d levels deep, (n, d) -> s; None: free
+    propose_cost: Callable[[int, int], float] | None = None
     max_nodes: int = 63
 
     def expected_tokens(self, rates: list[list[float]], max_nodes: int) -> tuple[list[float], list[int]]:
@@ -204,28 +205,51 @@ class BudgetChooser:
             depths.append(max(depths[-1], len(path)))
         return totals, depths
 
+    def expected_by_depth(
+        self, rates: list[list[float]], max_nodes: int, max_pops: int = 4096
+    ) -> list[list[float]]:
+        """For each depth cap D = 1 .. len(rates): ``tables[D - 1][n]``, the tokens per step of
+        the best tree of n nodes no deeper than D (n up to ``max_nodes``, or as many as such trees
+        have). The paths no longer than D come out of :func:`treespec.tree.best_paths` in their
+        own best order (a prefix of a path is shorter and at least as probable), so one pass
+        fills every table. A drafter pays per level, so a wide shallow tree can beat the deep
+        one of the same size: the chooser weighs both."""
+        depth_count = len(rates)
+        capacity, width = [], 1
+        for d in range(depth_count):  # paths no longer than D: sum over d <= D of the ranks' product
+            width *= len(rates[d])
+            capacity.append(min(max_nodes, (capacity[-1] if capacity else 0) + width))
+        tables = [[1.0] for _ in range(depth_count)]
+        for pops, (prob, path) in enumerate(best_paths(rates)):
+            for d in range(len(path) - 1, depth_count):
+                if len(tables[d]) <= capacity[d]:
+                    tables[d].append(tables[d][-1] + prob)
+            if pops >= max_pops or all(len(t) > c for t, c in zip(tables, capacity, strict=True)):
+                break
+        return tables
+
     def choose(
         self,
         rates: list[list[float]],
         batch_size: int,
         cap: int | None = None,
         min_nodes: int = 0,
-        expected: tuple[list[float], list[int]] | None = None,
+        expected: list[list[float]] | None = None,
     ) -> tuple[int, int, float]:
-        """(nodes per request, depth, expected tokens per second) for B requests, with at least
-        ``min_nodes`` nodes. ``expected``: what ``expected_tokens(rates, cap)`` returns, when the
-        caller keeps it (the adaptive proposer refreshes it every few steps: it is the costly part)."""
+        """(nodes per request, depth cap, expected tokens per second) for B requests, with at
+        least ``min_nodes`` nodes: the best over every depth cap and size. ``expected``: what
+        ``expected_by_depth(rates, cap)`` returns, when the caller keeps it (the adaptive proposer
+        refreshes it every few steps: it is the costly part)."""
         limit = min(cap or self.max_nodes, self.max_nodes)
-        totals, depths = expected if expected is not None else self.expected_tokens(rates, limit)
-        totals, depths = totals[: limit + 1], depths[: limit + 1]
-        best = (0, 0, 0.0)
-        for n in range(min(min_nodes, len(totals) - 1), len(totals)):
-            seconds = self.forward_cost(batch_size * (n + 1))
-            if self.propose_cost is not None and n:
-                seconds += self.propose_cost(n)
-            rate = batch_size * totals[n] / seconds
-            if rate > best[2]:
-                best = (n, depths[n], rate)
+        tables = expected if expected is not None else self.expected_by_depth(rates, limit)
+        forward = [self.forward_cost(batch_size * (n + 1)) for n in range(limit + 1)]  # once per size
+        best = (0, 0, batch_size / forward[0]) if min_nodes == 0 else (0, 0, 0.0)
+        for depth, totals in enumerate(tables, start=1):
+            for n in range(max(1, min_nodes), min(limit, len(totals) - 1) + 1):
+                seconds = forward[n] + (self.propose_cost(n, depth) if self.propose_cost is not None else 0.0)
+                rate = batch_size * totals[n] / seconds
+                if rate > best[2]:
+                    best = (n, depth, rate)
         return best
 
 
@@ -308,42 +332,51 @@ class AdaptiveProposer(WrappingProposer):
         self._wait = probe_every  # idle steps before the next probe
         self._since_plain = 0  # tree steps since the last step without a tree
         self.chosen: list[int] = []  # nodes per request, per step
-        self._propose_times: deque[tuple[int, float]] = deque(
+        self._propose_times: deque[tuple[int, int, float]] = deque(
             maxlen=64
-        )  # (nodes, seconds) of recent proposals
-        self._fit: tuple[float, float] | None = None  # _propose_times' line, until it changes
+        )  # (nodes, depth, seconds) of recent proposals
+        self._fit: tuple[float, float, float] | None = None  # _propose_times' plane, until it changes
         self._open_step: tuple[float, int, int] | None = None  # (start, nodes, batch) of the step under way
         self.refresh = refresh
         self.probe_share = probe_share
         self._probing = False  # the step under way is a probe
-        self._table: tuple[list[float], list[int]] | None = None  # the chooser's expected tokens, kept
+        self._table: list[list[float]] | None = None  # the chooser's expected tokens by depth cap, kept
+        self._table_cap = 0  # the most nodes it was made for
         self._observed = self._since_table = 0  # steps observed, and since the table was made
         self._step_tokens = 0  # tokens committed by the step under way
+        self._last_propose_s = 0.0  # the last proposal's whole time, catch-up included
         if chooser.propose_cost is None:
             chooser.propose_cost = self._propose_cost
 
-    def _propose_cost(self, nodes: int) -> float:
-        """Least-squares line through the recent (nodes, seconds) of this proposer's drafting.
+    def _propose_cost(self, nodes: int, depth: int = 1) -> float:
+        """Least-squares plane through the recent (nodes, depth, seconds) of this proposer's
+        drafting: a head pays per node and per level (on a CPU mostly per level).
 
-        The chooser asks for every candidate size each step, so the line is fitted once per
+        The chooser asks for every candidate size each step, so the plane is fitted once per
         new proposal (``_fit``), not once per question."""
         if self._fit is None:
-            self._fit = self._fit_line(list(self._propose_times))
-        intercept, slope = self._fit
-        return max(0.0, intercept + slope * nodes)
+            self._fit = self._fit_plane(list(self._propose_times))
+        intercept, per_node, per_level = self._fit
+        return max(0.0, intercept + per_node * nodes + per_level * depth)
 
     @staticmethod
-    def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
-        """(intercept, slope) of seconds against nodes; a flat line at the mean when fewer than
-        two sizes were seen, zero when none."""
-        if len({n for n, _ in points}) < 2:
-            return (statistics.fmean(t for _, t in points) if points else 0.0), 0.0
-        mean_n = statistics.fmean(n for n, _ in points)
-        mean_t = statistics.fmean(t for _, t in points)
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / sum(
-            (n - mean_n) ** 2 for n, _ in points
+    def _fit_plane(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+        """(intercept, per node, per level) of seconds against nodes and depth. A variable
+        that did not vary among the points gets no slope (a line in the other one, or the mean,
+        or zero with no points); when the two vary together, the fit that explains more."""
+        if not points:
+            return 0.0, 0.0, 0.0
+        mean_t = statistics.fmean(t for *_, t in points)
+        varies = [len({p[i] for p in points}) > 1 for i in (0, 1)]
+        if not any(varies):
+            return mean_t, 0.0, 0.0
+        x = torch.tensor(
+            [[1.0, *(float(p[i]) for i in (0, 1) if varies[i])] for p in points], dtype=torch.float64
         )
-        return mean_t - slope * mean_n, slope
+        t = torch.tensor([p[2] for p in points], dtype=torch.float64)
+        solution = torch.linalg.lstsq(x, t[:, None]).solution[:, 0].tolist()
+        slopes = iter(solution[1:])
+        return solution[0], *(next(slopes) if varies[i] else 0.0 for i in (0, 1))
 
     def _close_step(self, now: float) -> None:
         """The step that began at the last ``propose`` ended now: learn its cost and rate."""
@@ -352,7 +385,7 @@ class AdaptiveProposer(WrappingProposer):
         start, nodes, batch = self._open_step
         seconds = now - start
         self.throughput.record(nodes > 0, seconds, self._step_tokens)
-        drafting = self._propose_times[-1][1] if nodes and self._propose_times else 0.0
+        drafting = self._last_propose_s if nodes else 0.0
         self.chooser.forward_cost.update(batch * (nodes + 1), seconds - drafting)
         self._open_step, self._step_tokens = None, 0
 
@@ -395,16 +428,16 @@ class AdaptiveProposer(WrappingProposer):
         if step > 0:
             self._wait = max(self._wait, math.ceil(seconds / (self.probe_share * step)))
 
-    def _expected(self, cap: int) -> tuple[list[float], list[int]]:
+    def _expected(self, cap: int) -> list[list[float]]:
         """The chooser's expected tokens per tree size from the acceptance statistics, kept
         between refreshes: summing the best paths costs about a millisecond of Python, more than
         a step's drafting when trees are off. Refreshed after every observed step for the first
         ``4 * refresh`` steps (the estimates move fast while they are young), then every
         ``refresh``-th, and whenever a larger cap is asked."""
         young = self._observed < 4 * self.refresh
-        if self._table is None or len(self._table[0]) < cap + 1 or young or self._since_table >= self.refresh:
-            self._table = self.chooser.expected_tokens(self.stats.rates(), cap)
-            self._since_table = 0
+        if self._table is None or self._table_cap < cap or young or self._since_table >= self.refresh:
+            self._table = self.chooser.expected_by_depth(self.stats.rates(), cap)
+            self._table_cap, self._since_table = cap, 0
         return self._table
 
     def _baseline_every(self) -> int:
@@ -427,7 +460,9 @@ class AdaptiveProposer(WrappingProposer):
         self.proposer.set_budget(nodes, max(depth, 1))
         tree = self.proposer.propose(requests)
         seconds = self.clock() - now
-        self._propose_times.append((nodes, seconds))
+        # the drafting cost fitted leaves the catch-up out: it grows with the idle steps, not the tree
+        self._propose_times.append((nodes, max(depth, 1), max(0.0, seconds - self.proposer.catch_up_s)))
+        self._last_propose_s = seconds
         self._fit = None
         if self._probing:
             self._pay_for_probe(seconds, len(requests))

@@ -133,6 +133,10 @@ class Proposer(abc.ABC):
     hidden_layers: tuple[int, ...] = ()
     has_budget: bool = False
     max_context: int | None = None
+    # seconds the last ``propose`` spent catching the proposer's own cache up with the context
+    # (not drafting): the adaptive budget leaves it out of the drafting cost it fits, since it
+    # grows with the steps since the last tree, not with the tree
+    catch_up_s: float = 0.0
 
     @abc.abstractmethod
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:

@@ -22,6 +22,7 @@ rule, with ``draft_probs`` on the tree). At temperature 0 children are always th
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 
 import torch
@@ -163,7 +164,9 @@ class DraftModelProposer(Proposer):
         depth = max(1, min(depth, min(r.max_new for r in requests) - 1))
         num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
         processed = any(r.sampling.has_processors for r in requests)
+        start = time.perf_counter()
         root_logprobs = torch.log_softmax(self._catch_up(requests, widen=processed).float(), -1)  # [B, V']
+        self.catch_up_s = time.perf_counter() - start
         roots = torch.tensor([r.tokens[-1] for r in requests], device=root_logprobs.device)
         levels: list[tuple[torch.Tensor, torch.Tensor]] = []  # per expansion: frontier tokens, parent slots
         paths: list[list[list[int]]] = []  # per expansion: per request, per frontier slot

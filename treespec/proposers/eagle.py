@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 from collections.abc import Sequence
 
 import torch
@@ -179,7 +180,9 @@ class EagleProposer(Proposer):
         ids = [r.request_id for r in requests]
         if any(not self._pending.get(i) for i in ids):
             raise RuntimeError("propose() before observe(): the head has no pair ending at the root")
+        start = time.perf_counter()
         root_features = self._catch_up(ids)  # [B, H]: h_{n-1}, the feature after the root
+        self.catch_up_s = time.perf_counter() - start
         # A request never gets a tree deeper than it can still commit; grouping by that depth
         # makes each request's tree independent of the batch it is proposed in.
         depths = [min(self.depth, r.max_new - 1) for r in requests]

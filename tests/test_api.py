@@ -218,5 +218,59 @@ def test_the_checkouts_kernel_folder_hands_the_import_on(tmp_path):
         assert run.returncode == 0, run.stderr
         assert Path(run.stdout.strip()).resolve().parent != (tmp_path / "kernels").resolve()
     run = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True)
-    assert run.returncode == 1  # -S: no site-packages, so no installed kernels package
+    assert run.returncode == 1  # -S: no site-packages, so no installed kernels package: a stand-in
+    assert "has no attribute '__file__'" in run.stderr
     assert "treespec's kernels import as `treespec.kernels`" in run.stderr
+
+
+TRANSFORMERS_PROBE = (  # what transformers runs at import (5.19 and newer), exactly
+    "from transformers.utils.import_utils import _is_package_available\n"
+    "print(*_is_package_available('kernels', return_version=True))"
+)
+
+
+def test_transformers_started_in_the_checkout_probes_for_kernels_without_an_exception(tmp_path):
+    """A Python process started in the checkout's root (here: a folder holding the checkout's
+    kernels/__init__.py) runs transformers' availability probe for Hugging Face's ``kernels``
+    package exactly as transformers runs it. Without that package (this environment's
+    site-packages seen through a copy that leaves it out, where it is installed) the probe
+    imports the folder and answers "absent" (the stand-in has no ``__file__``, which transformers
+    counts as a namespace shadow) instead of raising; with one installed it finds that one."""
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text(
+        (Path(__file__).parents[1] / "kernels" / "__init__.py").read_text()
+    )
+    packages = Path(sysconfig.get_paths()["purelib"])
+    without = tmp_path / "site-without-kernels"  # site-packages minus HF's kernels and its metadata
+    without.mkdir()
+    for entry in packages.iterdir():
+        if entry.name != "kernels" and not (
+            entry.name.startswith("kernels-") and entry.suffix == ".dist-info"
+        ):
+            (without / entry.name).symlink_to(entry)
+    isolated = f"import site; site.addsitedir({str(without)!r})\n" + TRANSFORMERS_PROBE
+    run = subprocess.run([sys.executable, "-S", "-c", isolated], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "N/A"]
+    run = subprocess.run(
+        [sys.executable, "-c", TRANSFORMERS_PROBE], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr  # whatever this environment has installed
+    fake = tmp_path / "fake"  # an installed kernels package of version 0.99, without metadata
+    (fake / "kernels").mkdir(parents=True)
+    (fake / "kernels" / "__init__.py").write_text("__version__ = '0.99'\n")
+    code = (
+        f"import sys; sys.path.insert(1, {str(fake)!r})\n"
+        + isolated
+        + "\nimport kernels; print(kernels.__file__)"
+    )
+    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[:2] == ["True", "0.99"]
+    assert Path(run.stdout.split()[2]).resolve() == (fake / "kernels" / "__init__.py").resolve()

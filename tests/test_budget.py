@@ -32,14 +32,17 @@ def test_larger_trees_when_verification_is_cheap_smaller_when_expensive():
     assert BudgetChooser(cheap).choose([[0.0]], batch_size=1)[0] == 0
 
 
-def test_expected_tokens_match_the_best_tree():
+def test_expected_tokens_match_the_best_tree_no_deeper_than_each_cap():
     from treespec.tree import best_tree, expected_accepted_length
 
-    totals, depths = BudgetChooser(CostModel([1, 2], [1.0, 1.0])).expected_tokens(RATES, 8)
-    for n in range(1, 9):
-        shape = best_tree(RATES, n)
-        assert totals[n] == pytest.approx(1 + expected_accepted_length(shape, RATES))
-        assert depths[n] == shape.max_depth
+    tables = BudgetChooser(CostModel([1, 2], [1.0, 1.0])).expected_by_depth(RATES, 8)
+    assert len(tables) == len(RATES)
+    for cap, totals in enumerate(tables, start=1):
+        for n in range(1, len(totals)):
+            shape = best_tree(RATES[:cap], n)  # the best tree of n nodes that the cap allows
+            assert totals[n] == pytest.approx(1 + expected_accepted_length(shape, RATES[:cap]))
+            assert shape.max_depth <= cap
+    assert len(tables[-1]) == 9 and tables[-1][8] >= tables[0][-1]
 
 
 def test_acceptance_stats_count_depth_and_rank():

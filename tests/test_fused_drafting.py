@@ -151,3 +151,32 @@ def test_what_the_fused_drafting_cannot_serve_drafts_through_the_modules_with_it
     assert draft.drafting_paths() == {"draft model": "modules (turned off by TREESPEC_FUSED=0)"}
     assert treespec.generate(model, PROMPTS[:2], max_new_tokens=10, proposer=draft).sequences == want
     assert NgramProposer().drafting_paths() == {}
+
+
+@needs_kernels
+def test_a_fused_level_that_would_write_past_the_drafters_cache_is_refused():
+    """The C stack writes K/V where the rows say: a catch-up or a tree level that does not fit
+    the head's or the draft's cache is refused before any compute, as the module path refuses it."""
+    model, head = bf16_pair()
+    eagle = EagleProposer(head, model, top_k=2, depth=3, total_tokens=5, max_len=16, fused=True)
+    hidden = torch.randn(10, model.config.hidden_size).to(torch.bfloat16)
+    eagle.observe_prefill(0, list(range(10)), hidden)
+    slot = eagle._slot[0]
+    eagle.cache.lengths[slot] = eagle.cache.max_len - 2
+    with pytest.raises(ValueError, match="more exceed the cache length"):
+        eagle._run_level([slot], torch.tensor([[1, 2]]), hidden[:2][None], [torch.zeros(1, 0, 0, dtype=torch.bool)],
+                         torch.full((1, 2), NO_PARENT), 2)  # fmt: skip
+    eagle._pending[0] = [(list(range(3)), hidden[:3])]
+    with pytest.raises(ValueError, match="more exceed the cache length"):
+        eagle._catch_up([0])
+    draft = DraftModelProposer(build("llama", seed=6, num_hidden_layers=2).to(torch.bfloat16), dynamic=(2, 3, 5),
+                               max_len=16)  # fmt: skip
+    requests = requests_of([list(range(3, 12))])
+    draft._catch_up(requests)
+    draft.cache.lengths[draft._slot[0]] = draft.cache.max_len - 3
+    levels = [
+        (torch.tensor([[1, 2]]), torch.full((1, 2), NO_PARENT)),
+        (torch.tensor([[3, 4]]), torch.tensor([[0, 1]])),
+    ]
+    with pytest.raises(ValueError, match="more exceed the cache length"):
+        draft._score_levels(requests, levels)

@@ -441,6 +441,11 @@ def test_a_reduced_readout_grows_the_tree_the_widened_one_grows():
     want = build_dynamic_tree(roots, widened(root_logprobs), wide_expand, top_k=3, depth=3, num_nodes=8)
     assert_trees_equal(got, want)
     assert set(got.tokens.tolist()) - set(roots.tolist()) <= set(ids.tolist())
+    for bad in (ids[:-1], ids.float(), ids[None]):  # one id per column, integers, 1-D
+        with pytest.raises(ValueError, match="token_ids must be 1-D integer ids, one per log-prob column"):
+            build_dynamic_tree(
+                roots, root_logprobs, reduced_expand([]), top_k=3, depth=3, num_nodes=8, token_ids=bad
+            )
     assert all(t in ids.tolist() for call in seen for row in call for t in row)
 
 

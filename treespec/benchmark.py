@@ -38,6 +38,7 @@ from tqdm import tqdm
 from treespec import heads
 from treespec.api import generate
 from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel, StepThroughput
+from treespec.fused import describe_path
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
 from treespec.linear import LINEAR_BACKENDS
@@ -533,8 +534,7 @@ def _path_line(target: dict) -> str:
     path = target.get("path", "modules")
     if path == "fused":
         return f"fused ({target.get('cpu_isa')})"
-    reason = target.get("path_reason")
-    return f"modules ({reason})" if reason else "modules"
+    return describe_path(path, target.get("path_reason") or "")
 
 
 def format_report(report: dict, verbose: bool = False) -> str:

@@ -7,10 +7,10 @@ price of one more token depends on the hardware and on the batch. Three parts:
   together), measured at start-up on this machine (``CostModel.measure``) and interpolated.
 - :class:`AcceptanceStats`: running acceptance rates per depth and sibling rank, learned from
   the steps the engine verifies (rank r at depth d: accepted given its parent was).
-- :class:`BudgetChooser`: for B requests, picks n drafted nodes per request maximising
-  ``(1 + E[accepted | best tree of n]) / (forward(B * (n + 1)) + propose(n))``. E is the sum of
-  the n largest path probabilities (``tree.best_paths``, the order ``tree.best_tree`` takes),
-  so one pass scores every n at once. The depth is that tree's depth.
+- :class:`BudgetChooser`: for B requests, picks n drafted nodes per request and a depth cap d
+  maximising ``(1 + E[accepted | best tree of n nodes no deeper than d]) / (forward(B * (n + 1))
+  + propose(n, d))``. E is the sum of the n largest path probabilities no longer than d
+  (``tree.best_paths``, the order ``tree.best_tree`` takes), so one pass scores every n and d.
 
 :class:`AdaptiveProposer` wraps a proposer that has a settable budget (``has_budget``, with
 ``set_budget(num_nodes, depth)``: EAGLE, Medusa and draft models with dynamic trees), feeds the
@@ -193,17 +193,6 @@ class BudgetChooser:
     # seconds to draft n nodes per request at most d levels deep, (n, d) -> s; None: free
     propose_cost: Callable[[int, int], float] | None = None
     max_nodes: int = 63
-
-    def expected_tokens(self, rates: list[list[float]], max_nodes: int) -> tuple[list[float], list[int]]:
-        """For n = 0 .. max_nodes: tokens per step of the best tree of n nodes, and its depth.
-
-        The best tree of n nodes is the first n of :func:`treespec.tree.best_paths` (the order
-        ``best_tree`` takes), so one pass scores every n at once."""
-        totals, depths = [1.0], [0]
-        for prob, path in itertools.islice(best_paths(rates), max_nodes):
-            totals.append(totals[-1] + prob)
-            depths.append(max(depths[-1], len(path)))
-        return totals, depths
 
     def expected_by_depth(
         self, rates: list[list[float]], max_nodes: int, max_pops: int = 4096

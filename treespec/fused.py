@@ -115,6 +115,70 @@ def fused_refusal(model: nn.Module) -> str | None:
     return None
 
 
+def rotary_tables(rotary: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, head_dim: int) -> tuple:
+    """(cos, sin) [T, D] bf16 of the rows' positions from the model's own rotary module (every
+    RoPE scaling it knows), checked against what the C stack reads."""
+    cos, sin = rotary(hidden[None], positions[None])
+    cos, sin = cos[0].contiguous(), sin[0].contiguous()
+    if cos.dtype is not torch.bfloat16 or cos.shape != (len(hidden), head_dim):
+        raise ValueError(
+            f"expected bf16 rotary tables [{len(hidden)}, {head_dim}], got {cos.dtype} {tuple(cos.shape)}"
+        )
+    return cos, sin
+
+
+def run_stack(
+    hidden: torch.Tensor,
+    table: ctypes.Array,
+    final_norm: torch.Tensor | None,
+    num_layers: int,
+    dims: tuple[int, int, int, int, int],
+    eps: float,
+    sm_scale: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: object,
+    rows: tuple[torch.Tensor, ...],
+    tree_mask: torch.Tensor | None,
+    outs: ctypes.Array,
+) -> None:
+    """``treespec_decoder_bf16`` over ``hidden`` [T, H] in place: ``dims`` (hidden, MLP width,
+    query heads, KV heads, head dim), ``rows`` as :func:`treespec.kernels.tree_attention.cpu_rows`
+    gives them, ``tree_mask`` [T, W] or None (chains)."""
+    mask = None if tree_mask is None else tree_mask.to(torch.int32).contiguous()
+    row_slot, row_prefix, row_index, row_new = (r.contiguous() for r in rows)
+    keys, values = cache.keys, cache.values
+    cpu_kernels.decoder_bf16(
+        hidden, table, final_norm, num_layers, len(hidden), *dims, eps, sm_scale, cos, sin, keys, values,
+        keys.shape[1], keys.shape[3], row_slot, row_prefix, row_index, row_new, mask,
+        0 if mask is None else mask.shape[1], outs,
+    )  # fmt: skip
+
+
+def level_rows(
+    cache: object, slots: list[int], k: int, num_run: int
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The rows of one tree level run alone (a drafter's newest level): k new rows per request,
+    the last k of ``num_run`` run past each slot's committed length so far (the earlier ones'
+    K/V already written there). Returns (rows as ``run_stack`` reads them, each row's committed
+    length); refuses a level that would write past the cache."""
+    for slot in slots:
+        cache.check_room(slot, num_run)
+    committed = torch.tensor([cache.lengths[s] for s in slots]).repeat_interleave(k)
+    index = torch.arange(num_run - k, num_run).repeat(len(slots))
+    return (
+        torch.tensor(slots).repeat_interleave(k),
+        committed,
+        index,
+        torch.full_like(committed, num_run),
+    ), committed
+
+
+def describe_path(path: str, reason: str) -> str:
+    """ "fused", or "modules (why)": how ``treespec bench`` names what ran a model."""
+    return path if path == "fused" else f"modules ({reason})" if reason else "modules"
+
+
 class FusedDecoder:
     """The decoder stack of one model as one C call. Holds pointers into the model's weights:
     in-place updates show through; a replaced parameter is seen at the next forward (the
@@ -194,14 +258,9 @@ class FusedDecoder:
         bf16, {layer: [T, H]} for ``hidden_layers``: 0 the embeddings, i the residual stream
         after layer i, num_layers the final normed rows, as HF's ``hidden_states`` number them)."""
         self._current()
-        model, num_rows = self.model.model, len(tokens)
+        model = self.model.model
         hidden = model.embed_tokens.weight[tokens]  # a new [T, H] tensor: the C stack works in it
-        cos, sin = model.rotary_emb(hidden[None], positions[None])
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
-        if cos.dtype is not torch.bfloat16 or cos.shape != (num_rows, self.head_dim):
-            raise ValueError(
-                f"expected bf16 rotary tables [{num_rows}, {self.head_dim}], got {cos.dtype} {tuple(cos.shape)}"
-            )
+        cos, sin = rotary_tables(model.rotary_emb, hidden, positions, self.head_dim)
         layer_hidden: dict[int, torch.Tensor] = {}
         outs = (ctypes.c_void_p * self.num_layers)()
         for layer in hidden_layers:
@@ -212,15 +271,9 @@ class FusedDecoder:
             elif layer < self.num_layers:
                 layer_hidden[layer] = torch.empty_like(hidden)
                 outs[layer - 1] = layer_hidden[layer].data_ptr()
-        mask = None if tree_mask is None else tree_mask.to(torch.int32).contiguous()
-        row_slot, row_prefix, row_index, row_new = (r.contiguous() for r in rows)
-        keys, values = cache.keys, cache.values
-        cpu_kernels.decoder_bf16(
-            hidden, self._table, self._final_norm, self.num_layers, num_rows, self.hidden_size,
-            self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.sm_scale,
-            cos, sin, keys, values, keys.shape[1], keys.shape[3], row_slot, row_prefix, row_index, row_new,
-            mask, 0 if mask is None else mask.shape[1], outs,
-        )  # fmt: skip
+        dims = (self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim)
+        run_stack(hidden, self._table, self._final_norm, self.num_layers, dims, self.eps, self.sm_scale, cos, sin,
+                  cache, rows, tree_mask, outs)  # fmt: skip
         if self.num_layers in hidden_layers:
             layer_hidden[self.num_layers] = hidden
         picked = hidden if logit_rows is None else hidden[logit_rows]
@@ -295,16 +348,8 @@ class FusedEagleLayer:
         """``embeds``, ``features`` [T, H] bf16 and their sequence ``positions`` [T]; ``rows`` and
         ``tree_mask`` as :meth:`FusedDecoder.forward` takes them (a row's K/V go to position
         committed + index of its slot). Returns the head's outputs h [T, H] bf16."""
-        hidden_size, intermediate, heads, kv_heads, head_dim = self.shape
         x = cpu_kernels.linear_unchecked(torch.cat([embeds, features], dim=-1), *self.fc)
-        cos, sin = self.head.rotary(x[None], positions[None])
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
-        mask = None if tree_mask is None else tree_mask.to(torch.int32).contiguous()
-        row_slot, row_prefix, row_index, row_new = (r.contiguous() for r in rows)
-        keys, values = cache.keys, cache.values
-        cpu_kernels.decoder_bf16(
-            x, self._table, None, 1, len(x), hidden_size, intermediate, heads, kv_heads, head_dim, self.eps,
-            self.sm_scale, cos, sin, keys, values, keys.shape[1], keys.shape[3], row_slot, row_prefix, row_index,
-            row_new, mask, 0 if mask is None else mask.shape[1], self._no_outs,
-        )  # fmt: skip
+        cos, sin = rotary_tables(self.head.rotary, x, positions, self.shape[-1])
+        run_stack(x, self._table, None, 1, self.shape, self.eps, self.sm_scale, cos, sin, cache, rows, tree_mask,
+                  self._no_outs)  # fmt: skip
         return x

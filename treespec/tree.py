@@ -918,6 +918,13 @@ def build_dynamic_tree(
             f"and {tuple(root_logprobs.shape)}"
         )
     check_dynamic_budget(top_k, depth, num_nodes, vocab=root_logprobs.shape[1])
+    if token_ids is not None and (
+        token_ids.dim() != 1 or len(token_ids) != root_logprobs.shape[1] or token_ids.is_floating_point()
+    ):
+        raise ValueError(
+            f"token_ids must be 1-D integer ids, one per log-prob column ({root_logprobs.shape[1]}), got "
+            f"{token_ids.dtype} {tuple(token_ids.shape)}"
+        )
     pool_tokens, pool_scores, pool_parents = _grow_pool(
         root_tokens, root_logprobs, expand, top_k, depth, token_ids
     )

@@ -30,6 +30,7 @@ from transformers import PreTrainedModel
 
 from treespec import linear
 from treespec.cache import default_max_len
+from treespec.fused import describe_path, level_rows
 from treespec.processors import process_draft, tree_paths
 from treespec.proposers.base import ProposalRequest, Proposer, reduced_rows
 from treespec.sampling import logits_to_probs
@@ -107,8 +108,7 @@ class DraftModelProposer(Proposer):
             self.readout = linear.module_view(rows, self.draft.linear_backend).eval()
 
     def drafting_paths(self) -> dict[str, str]:
-        draft = self.draft
-        return {"draft model": draft.path if draft.fused is not None else f"modules ({draft.path_reason})"}
+        return {"draft model": describe_path(self.draft.path, self.draft.path_reason)}
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
         """Dynamic trees only: at most ``num_nodes`` nodes, ``depth`` deep, from the next step on
@@ -223,9 +223,7 @@ class DraftModelProposer(Proposer):
         fused stack's rows are batch-invariant), so the logits are ``_score_all_levels``' bits."""
         tokens, k = levels[-1][0], levels[-1][0].shape[1]
         batch, num_run = tokens.shape[0], len(levels) * k
-        committed = torch.tensor([self.cache.lengths[s] for s in slots]).repeat_interleave(k)
-        rows = (torch.tensor(slots).repeat_interleave(k), committed, torch.arange(num_run - k, num_run).repeat(batch),
-                torch.full_like(committed, num_run))  # fmt: skip
+        rows, committed = level_rows(self.cache, slots, k, num_run)
         logits, hidden, _ = self.draft.fused.forward(
             tokens.flatten(), committed + len(levels) - 1, self.cache, rows, pack_bits(visible[:, -k:]).flatten(0, 1),
             None if self.readout is None else torch.zeros(0, dtype=torch.long),

@@ -33,11 +33,11 @@ from transformers import PreTrainedModel
 
 from treespec import linear
 from treespec.cache import KVCache, default_max_len
-from treespec.fused import FusedEagleLayer, eagle_refusal, env_refusal, say_once
+from treespec.fused import FusedEagleLayer, describe_path, eagle_refusal, env_refusal, level_rows, say_once
 from treespec.heads.eagle import EagleHead
 from treespec.heads.fit import TargetShape
 from treespec.kernels import cpu_kernels
-from treespec.kernels.tree_attention import resolve_backend
+from treespec.kernels.tree_attention import cpu_rows, resolve_backend
 from treespec.processors import process_draft
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
 from treespec.target import StepMetadata
@@ -92,7 +92,8 @@ class EagleProposer(Proposer):
         CPU with treespec's kernels, linear and attention backends "auto" or treespec's),
         saying once why not elsewhere; True: required (refused with the reason); False: off.
         ``path`` and ``path_reason`` say which ran. Trees differ from the modules' only where
-        RMSNorm's summation order tips a near tie; the output is the target's either way."""
+        the last bits (RMSNorm's and the attention's summation orders) tip a near tie; the output
+        is the target's either way."""
         config = head.config
         target_config = target_model.config.get_text_config()
         target = TargetShape.of(target_model)
@@ -120,7 +121,9 @@ class EagleProposer(Proposer):
         if readout_ids is not None:
             self.readout_ids, self.lm_head = self._reduced_readout(readout_ids, config, target_vocab, backend)
         self.backend = resolve_backend(attention_backend, weight.device)
-        self.fused, self.path_reason = _fused_layer(head, fused, backend, attention_backend)
+        self.fused, self.path_reason = _fused_layer(
+            head, self.lm_head.weight, fused, backend, attention_backend
+        )
         self.path = "fused" if self.fused is not None else "modules"
         # the read-out's columns' token ids (None: column c is token c)
         own = config.eagle3 or config.draft_vocab_size is not None
@@ -139,7 +142,7 @@ class EagleProposer(Proposer):
         self._pending: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # pairs not yet run
 
     def drafting_paths(self) -> dict[str, str]:
-        return {"eagle head": self.path if self.fused is not None else f"modules ({self.path_reason})"}
+        return {"eagle head": describe_path(self.path, self.path_reason)}
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
         """Draft at most ``num_nodes`` nodes, ``depth`` deep, from the next step on (within the
@@ -295,9 +298,7 @@ class EagleProposer(Proposer):
         num_drafted = step * k  # all nodes run this step so far, this level's the last k
         drafted.append(extend_ancestors(drafted[-1], run_parents))
         if self.fused is not None:  # this level's rows only: the earlier ones' K/V are in the cache
-            committed = torch.tensor([self.cache.lengths[s] for s in slots]).repeat_interleave(k)
-            rows = (torch.tensor(slots).repeat_interleave(k), committed,
-                    torch.arange(num_drafted - k, num_drafted).repeat(batch), torch.full_like(committed, num_drafted))  # fmt: skip
+            rows, committed = level_rows(self.cache, slots, k, num_drafted)
             h = self.fused.forward(self.embed.weight[tokens.flatten()], features.flatten(0, 1), committed + step - 1,
                                    self.cache, rows, pack_bits(drafted[-1][:, -k:]).flatten(0, 1))  # fmt: skip
             return h.view(batch, k, -1)
@@ -370,26 +371,28 @@ class EagleProposer(Proposer):
     ) -> torch.Tensor:
         """The catch-up chains through the fused layer: each request's pairs are new rows past
         its committed length, causal among themselves. Returns the head's outputs [T, H]."""
-        per = torch.tensor(counts)
-        committed = torch.tensor([self.cache.lengths[s] for s in slots]).repeat_interleave(per)
-        index = torch.arange(len(tokens)) - torch.tensor(
-            [0, *itertools.accumulate(counts)][:-1]
-        ).repeat_interleave(per)
-        rows = (torch.tensor(slots).repeat_interleave(per), committed, index, per.repeat_interleave(per))
+        for slot, count in zip(slots, counts, strict=True):
+            self.cache.check_room(slot, count)
+        cu = torch.tensor([0, *itertools.accumulate(counts)])
+        prefix = torch.tensor([self.cache.lengths[s] for s in slots])
+        rows = cpu_rows(cu, torch.tensor(slots), prefix, len(tokens))
         embeds = self.embed.weight[torch.tensor(tokens)]
         return self.fused.forward(
-            embeds, features.to(embeds.dtype), committed + index, self.cache, rows, None
+            embeds, features.to(embeds.dtype), rows[1] + rows[2], self.cache, rows, None
         )
 
 
 def _fused_layer(
-    head: EagleHead, fused: bool | None, linear_backend: str, attention_backend: str
+    head: EagleHead, readout: torch.Tensor, fused: bool | None, linear_backend: str, attention_backend: str
 ) -> tuple[FusedEagleLayer | None, str]:
-    """(the head's fused layer or None, why not): ``fused`` as EagleProposer takes it. A bf16
-    head on a CPU that still runs through its modules says why, once."""
+    """(the head's fused layer or None, why not): ``fused`` as EagleProposer takes it; ``readout``
+    the weight its read-out goes through (the kernel reads it unchecked). A bf16 head on a CPU
+    that still runs through its modules says why, once."""
     if fused is False:
         return None, "fused=False"
     refusal = eagle_refusal(head)
+    if refusal is None and not (readout.dtype is torch.bfloat16 and readout.is_contiguous()):
+        refusal = f"the read-out weight is not contiguous bf16 ({readout.dtype})"
     if refusal is None and (linear_backend != "bf16-kernel" or attention_backend not in ("auto", "cpu")):
         refusal = (f"a backend was chosen (linear {linear_backend!r}, attention {attention_backend!r}); the fused "
                    "layer runs treespec's own kernels")  # fmt: skip

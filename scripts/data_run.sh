@@ -1,26 +1,40 @@
 #!/usr/bin/env bash
-# The self-distilled training data at scale for smollm2-135m-instruct (issue 15; docs/training.md).
-# Every stage resumes where it stopped: run the same command again after a kill or a new session.
+# The self-distilled training corpus for smollm2-135m-instruct (docs/training.md), kept in the
+# repository: every prompt round and every 500 answers are sealed into a shard under STORE and
+# committed (COMMIT=1), so a cut sitting loses at most one shard. Run the same command again after
+# a kill or on a new machine: the working folder is rebuilt from the shards and each stage resumes.
 #
 #   scripts/data_run.sh [CORPUS] [DATA]        (defaults: runs/corpus, runs/data)
 #
 # Benchmark prompt files given in HELD_OUT (colon list; default: the Spec-Bench and GSM8K files in
 # ../shared when they exist) are held out: no prompt equal or near one of them is kept.
+# FEATURES=0 skips the last stage (the hidden states, recomputed from the corpus, never committed).
 set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
 CORPUS=${1:-runs/corpus}
 DATA=${2:-runs/data}
-FIRST_PROMPTS=${FIRST_PROMPTS:-6000}     # written before the first answers
+STORE=${STORE:-$here/../heads/corpus/smollm2-135m-instruct}
+FIRST_PROMPTS=${FIRST_PROMPTS:-6000}     # written and answered before the rest
 ALL_PROMPTS=${ALL_PROMPTS:-20000}
-ANSWER_TOKENS=${ANSWER_TOKENS:-1200000}
+ANSWER_TOKENS=${ANSWER_TOKENS:-3200000}
+FOLLOW_UP_SHARE=${FOLLOW_UP_SHARE:-0.1}
+COMMIT=${COMMIT:-1}
+FEATURES=${FEATURES:-1}
 TREESPEC=${TREESPEC:-treespec}
-shared=$(dirname "$0")/../../shared/data/prompts
+shared=$here/../../shared/data/prompts
 HELD_OUT=${HELD_OUT:-$shared/spec_bench/question_no_mtbench.jsonl:$shared/gsm8k/test.jsonl}
 held=()
 IFS=: read -ra files <<< "$HELD_OUT"
 for f in "${files[@]}"; do [[ -f $f ]] && held+=(--held-out "$f"); done
 echo "$(( ${#held[@]} / 2 )) benchmark prompt files held out"
+store=(--store "$STORE")
+[[ $COMMIT == 1 ]] && store+=(--commit)
 
-$TREESPEC train-heads prompts --corpus "$CORPUS" --count "$FIRST_PROMPTS" "${held[@]}"
-$TREESPEC train-heads answers --corpus "$CORPUS" --answer-tokens "$ANSWER_TOKENS" --follow-up-share 0.1
-$TREESPEC train-heads features --corpus "$CORPUS" --out "$DATA"
-$TREESPEC train-heads prompts --corpus "$CORPUS" --count "$ALL_PROMPTS" "${held[@]}"
+$TREESPEC train-heads prompts --corpus "$CORPUS" --count "$FIRST_PROMPTS" "${held[@]}" "${store[@]}"
+$TREESPEC train-heads answers --corpus "$CORPUS" --answer-tokens "$ANSWER_TOKENS" "${store[@]}"
+$TREESPEC train-heads prompts --corpus "$CORPUS" --count "$ALL_PROMPTS" "${held[@]}" "${store[@]}"
+$TREESPEC train-heads answers --corpus "$CORPUS" --answer-tokens "$ANSWER_TOKENS" \
+    --follow-up-share "$FOLLOW_UP_SHARE" "${store[@]}"
+if [[ $FEATURES == 1 ]]; then
+    $TREESPEC train-heads features --corpus "$CORPUS" --out "$DATA" "${store[@]}"
+fi

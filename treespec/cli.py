@@ -287,6 +287,7 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                          "kept; repeatable. treespec bench's and the dev prompts are always held out")  # fmt: skip
     prompts.add_argument("--seed", type=int, default=0)
     prompts.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="default: %(default)s")
+    _add_store_args(prompts)
     prompts.set_defaults(handler=_train_heads_prompts)
 
     answers = stages.add_parser("answers", help="at scale: the target answers the corpus's prompts")
@@ -309,6 +310,7 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
                          "target, answered in turn (default: %(default)s)")  # fmt: skip
     answers.add_argument("--seed", type=int, default=0)
     answers.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="default: %(default)s")
+    _add_store_args(answers)
     answers.set_defaults(handler=_train_heads_answers)
 
     feats = stages.add_parser(
@@ -323,6 +325,7 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     feats.add_argument(
         "--batch-tokens", type=int, default=4096, help="positions per forward (default: %(default)s)"
     )
+    _add_store_args(feats)
     feats.set_defaults(handler=_train_heads_features)
 
     fit = stages.add_parser("train", help="train one kind of head on a data folder")
@@ -357,6 +360,29 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--threads", type=int, default=None)
     fit.set_defaults(handler=_train_heads_train)
+
+
+def _add_store_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", default=None,
+                        help="corpus shards kept in the repository (heads/training/store.py): the working "
+                        "folder is restored from them first, and what the stage writes is sealed into them")  # fmt: skip
+    parser.add_argument(
+        "--commit", action="store_true", help="with --store: git-commit each shard as it is sealed"
+    )
+
+
+def _open_store(args: argparse.Namespace, tokenizer):
+    """The corpus store of --store, synced with --corpus (None without --store)."""
+    if args.store is None:
+        if args.commit:
+            raise ValueError("--commit needs --store (the folder of corpus shards to commit)")
+        return None
+    from treespec.heads.training.store import CorpusStore, commit_to_git
+
+    store = CorpusStore(args.store, tokenizer, on_seal=commit_to_git if args.commit else None)
+    summary = store.sync(args.corpus)
+    print(f"{args.store}: {json.dumps(summary)}")
+    return store
 
 
 def _train_heads_data(args: argparse.Namespace) -> int:
@@ -396,19 +422,23 @@ def _train_heads_prompts(args: argparse.Namespace) -> int:
     held_out = list(DEV_PROMPTS) + list(DEFAULT_PROMPTS)
     for path in args.held_out:
         held_out += read_prompt_file(path)
-    if not args.no_builtin_prompts:
-        added = add_prompts(args.corpus, train_prompts(), "builtin", held_out)
-        print(f"{args.corpus}: {added} built-in prompts added")
-    for path in args.prompts:
-        added = add_prompts(args.corpus, read_prompt_file(path), f"file:{path}", held_out)
-        print(f"{args.corpus}: {added} prompts added from {path}")
     model, tokenizer = models.load(
         args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32
     )
+    store = _open_store(args, tokenizer)
+    written = store.add if store is not None else None
+    if not args.no_builtin_prompts:
+        added = add_prompts(args.corpus, train_prompts(), "builtin", held_out, on_written=written)
+        print(f"{args.corpus}: {added} built-in prompts added")
+    for path in args.prompts:
+        added = add_prompts(args.corpus, read_prompt_file(path), f"file:{path}", held_out, on_written=written)
+        print(f"{args.corpus}: {added} prompts added from {path}")
     config = MagpieConfig(count=args.count, batch_size=args.batch_size, max_tokens=args.max_tokens,
                           round_size=args.round_size, temperature=args.temperature, top_p=args.top_p,
                           seed=args.seed)  # fmt: skip
-    state = synthesize_prompts(model, tokenizer, args.corpus, config, held_out=held_out)
+    state = synthesize_prompts(model, tokenizer, args.corpus, config, held_out=held_out, on_written=written)
+    if store is not None:
+        store.flush()
     print(json.dumps(state["magpie"] | {"held_out": len(held_out)}, indent=1))
     return EXIT_OK
 
@@ -434,11 +464,14 @@ def _train_heads_answers(args: argparse.Namespace) -> int:
     config = AnswerConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                           sampled_share=args.sampled_share, temperature=args.temperature,
                           answer_tokens=args.answer_tokens, seed=args.seed)  # fmt: skip
-    summary = write_answers(model, tokenizer, args.corpus, config)
+    store = _open_store(args, tokenizer)
+    written = store.add if store is not None else None
+    summary = write_answers(model, tokenizer, args.corpus, config, on_written=written)
     if args.follow_up_share > 0:
         added = synthesize_follow_ups(
             model, tokenizer, args.corpus,
             MagpieConfig(batch_size=args.batch_size, follow_up_share=args.follow_up_share, seed=args.seed),
+            on_written=written,
         )  # fmt: skip
         records = read_records(Path(args.corpus) / PROMPTS)
         pending = [r["id"] for r in records if r.get("source") == "follow-up"]
@@ -446,8 +479,15 @@ def _train_heads_answers(args: argparse.Namespace) -> int:
             f"{args.corpus}: {len(added)} follow-up prompts added; answering the unanswered of {len(pending)}"
         )
         summary = write_answers(
-            model, tokenizer, args.corpus, replace(config, answer_tokens=None), only=pending
+            model,
+            tokenizer,
+            args.corpus,
+            replace(config, answer_tokens=None),
+            only=pending,
+            on_written=written,
         )
+    if store is not None:
+        store.flush()
     print(json.dumps(summary, indent=1))
     return EXIT_OK
 
@@ -462,11 +502,12 @@ def _train_heads_features(args: argparse.Namespace) -> int:
     from treespec.heads.training.data import write_features
 
     corpus = Path(args.corpus)
+    model, tokenizer = models.load(args.model, dtype=torch.float32)
+    _open_store(args, tokenizer)
     answers = read_records(corpus / ANSWERS)
     if not answers:
         raise ValueError(f"{corpus / ANSWERS} holds no answers: run 'treespec train-heads answers' first")
     dev = {r["id"] for r in read_records(corpus / PROMPTS) if r.get("split") == "dev"}
-    model, _ = models.load(args.model, dtype=torch.float32)
     layers = default_feature_layers(model.config.get_text_config().num_hidden_layers)
     manifest = write_features(model, [a for a in answers if a["id"] not in dev], args.out, feature_layers=layers,
                               eagle3=args.eagle3, batch_tokens=args.batch_tokens)  # fmt: skip

@@ -28,7 +28,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -235,7 +235,18 @@ class MagpieConfig:
     filter: PromptFilter = field(default_factory=PromptFilter)
 
 
-def add_prompts(folder: str | Path, texts: list[str], source: str, held_out: Iterable[str] = ()) -> int:
+# Called after each durable append with the kind ("prompts" or "answers") and the records
+# appended: a CorpusStore (heads/training/store.py) seals them into the repository's shards.
+OnWritten = Callable[[str, list[dict]], None]
+
+
+def add_prompts(
+    folder: str | Path,
+    texts: list[str],
+    source: str,
+    held_out: Iterable[str] = (),
+    on_written: OnWritten | None = None,
+) -> int:
     """Append prompts of another source (built-in templates, a user file), skipping exact
     duplicates of what the folder holds and exact or near duplicates of a held-out prompt (a
     source's own prompts may share a passage with different tasks: they are kept). Returns how
@@ -253,6 +264,8 @@ def add_prompts(folder: str | Path, texts: list[str], source: str, held_out: Ite
             fresh.append({"id": len(records) + len(fresh), "source": source,
                           "messages": [{"role": "user", "content": text}]})  # fmt: skip
     _append(folder / PROMPTS, fresh)
+    if on_written is not None and fresh:
+        on_written("prompts", fresh)
     return len(fresh)
 
 
@@ -273,6 +286,7 @@ def synthesize_prompts(
     *,
     held_out: Iterable[str] = (),
     progress: bool = True,
+    on_written: OnWritten | None = None,
 ) -> dict:
     """Sample user turns from the target until ``config.count`` prompts are kept; returns the
     stage's state (also in ``state.json``). ``held_out`` prompts (dev, benchmark) and their near
@@ -317,6 +331,8 @@ def synthesize_prompts(
                       sampled=magpie["sampled"] + len(texts), kept=magpie["kept"] + len(fresh),
                       dropped=dict(dropped), config=asdict(config))  # fmt: skip
         _write_json(state_path, state)
+        if on_written is not None:  # after the state: a sealed round resumes after itself
+            on_written("prompts", fresh)
         bar.update(len(fresh))
         bar.set_postfix(tok_per_s=f"{sampled_tokens / (time.perf_counter() - start):.0f}",
                         kept=f"{magpie['kept'] / max(magpie['sampled'], 1):.0%}")  # fmt: skip
@@ -394,6 +410,7 @@ def synthesize_follow_ups(
     *,
     held_out: Iterable[str] = (),
     progress: bool = True,
+    on_written: OnWritten | None = None,
 ) -> list[int]:
     """Second turns: for a ``config.follow_up_share`` of the answered single-turn conversations
     (chosen by id, so a rerun picks the same), the target writes a follow-up question after its
@@ -437,6 +454,8 @@ def synthesize_follow_ups(
             fresh.append({"id": len(records) + len(fresh), "source": "follow-up", "parent": record["id"],
                           "messages": conversation + [{"role": "user", "content": text}]})  # fmt: skip
         _append(folder / PROMPTS, fresh)
+        if on_written is not None and fresh:
+            on_written("prompts", fresh)
         records += fresh
         added += [r["id"] for r in fresh]
         bar.update(len(outputs))
@@ -480,6 +499,7 @@ def write_answers(
     *,
     only: Iterable[int] | None = None,
     progress: bool = True,
+    on_written: OnWritten | None = None,
 ) -> dict:
     """Answer every prompt of ``folder/prompts.jsonl`` that ``answers.jsonl`` lacks (``only``:
     of these ids); returns a summary (answers, answer tokens, tokens/s of this run)."""
@@ -510,6 +530,12 @@ def write_answers(
         for r, _ in encoded
     ]  # fmt: skip
 
+    def flush():
+        _append(answers_path, buffer)
+        if on_written is not None and buffer:
+            on_written("answers", list(buffer))
+        buffer.clear()
+
     def finish(index, tokens, reason):
         nonlocal total, new_tokens
         record, ids = encoded[index]
@@ -518,8 +544,7 @@ def write_answers(
         total += len(tokens)
         new_tokens += len(tokens)
         if len(buffer) >= config.flush_every:
-            _append(answers_path, buffer)
-            buffer.clear()
+            flush()
         bar.update(len(tokens))
         bar.set_postfix(tok_per_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
 
@@ -529,8 +554,7 @@ def write_answers(
         _run(target, [ids for _, ids in encoded], samplings, config.max_new_tokens, stops, config.batch_size,
              generator, on_finish=finish, max_len=config.max_prompt_tokens + config.max_new_tokens,
              keep_going=lambda: config.answer_tokens is None or total < config.answer_tokens)  # fmt: skip
-        _append(answers_path, buffer)
-        buffer.clear()
+        flush()
     bar.close()
     wall = time.perf_counter() - start
     return {"answers": len(read_records(answers_path)), "answer_tokens": total, "new_tokens": new_tokens,

@@ -33,6 +33,7 @@ from transformers import LlamaConfig, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from treespec.cache import DEFAULT_MAX_LEN
 from treespec.heads.folder import read_folder, write_folder
 
 HEAD_TYPE = "eagle"
@@ -51,7 +52,7 @@ class EagleConfig:
     intermediate_size: int
     rms_norm_eps: float = 1e-6
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = DEFAULT_MAX_LEN  # when the target does not say
     hidden_act: str = "silu"
     eagle3: bool = False
     # EAGLE-3: the three target layers whose inputs are fused (HF hidden_states indices); empty:
@@ -128,7 +129,7 @@ class EagleConfig:
             intermediate_size=config.intermediate_size,
             rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
             rope_parameters=dict(rope),
-            max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
+            max_position_embeddings=getattr(config, "max_position_embeddings", DEFAULT_MAX_LEN),
             hidden_act=_activation(config),
             eagle3=eagle3,
             feature_layers=tuple(feature_layers or ()),

@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig
 
+from treespec.cache import DEFAULT_MAX_LEN
 from treespec.heads.eagle import EagleConfig, EagleHead
 from treespec.heads.fit import TargetShape
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
@@ -157,7 +158,7 @@ def load_published_eagle(folder: str | Path) -> EagleHead:
             intermediate_size=int(config["intermediate_size"]),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_parameters=_rope_parameters(config),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            max_position_embeddings=int(config.get("max_position_embeddings", DEFAULT_MAX_LEN)),
             hidden_act=config.get("hidden_act", "silu"),
             eagle3=eagle3,
             feature_layers=tuple(aux or ()),

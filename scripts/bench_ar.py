@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 
 from treespec.bench_ar import ARBenchConfig, run_ar_bench
+from treespec.models import DEFAULT_MODEL
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--max-new-tokens", type=int, default=64)

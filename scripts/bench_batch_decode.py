@@ -19,13 +19,14 @@ from treespec import models
 from treespec.engine import Engine
 from treespec.heads.training.corpus import chat_ids
 from treespec.heads.training.prompts import train_prompts
+from treespec.models import DEFAULT_MODEL, DTYPES
 from treespec.sampling import SamplingParams
 from treespec.target import Target
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--new", type=int, default=40)
@@ -35,9 +36,7 @@ def main() -> None:
                         help="the engine's sampler (the data stages use inverse-cdf)")  # fmt: skip
     args = parser.parse_args()
     sampling = SamplingParams(args.temperature, None, args.top_p)
-    model, tokenizer = models.load(
-        args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    )
+    model, tokenizer = models.load(args.model, dtype=DTYPES[args.dtype])
     target = Target(model)
     prompts = [chat_ids(tokenizer, [{"role": "user", "content": p}]) for p in train_prompts()[: args.batch]]
     engine = Engine(target, max_batch_size=args.batch, max_len=max(map(len, prompts)) + args.new,

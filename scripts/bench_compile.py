@@ -21,6 +21,7 @@ import torch
 
 import treespec
 from treespec import models
+from treespec.models import DEFAULT_MODEL
 
 
 def median_ms(run, repeats: int, setup=None) -> float:
@@ -36,7 +37,7 @@ def median_ms(run, repeats: int, setup=None) -> float:
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--sizes", default="1,16")
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=10)

@@ -29,6 +29,7 @@ import torch
 
 from treespec import models
 from treespec.kernels import cpu_kernels
+from treespec.models import DEFAULT_MODEL
 from treespec.target import Target
 
 PHASES = ("norm", "qkv", "rotary+cache", "attention", "widen", "o_proj", "residual", "norm", "gate/up",
@@ -116,7 +117,7 @@ def bench_fused(model_name: str, sizes: list[int], context: int, repeats: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128")
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--sizes", default="1,8,16,32", help="new tokens of the fused step ('' to skip)")
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=15)

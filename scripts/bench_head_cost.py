@@ -21,7 +21,7 @@ import torch
 
 import treespec
 from treespec.heads import EagleConfig, EagleHead
-from treespec.models import load
+from treespec.models import DEFAULT_MODEL, DTYPES, load
 from treespec.prompts import DEFAULT_PROMPTS, encode_prompts
 from treespec.proposers import EagleProposer
 
@@ -35,13 +35,13 @@ BUDGETS = [(8, 6, 31), (8, 6, 8)]  # (top_k, depth, total_tokens), as treespec b
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registered name or local HF folder")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--new", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench_results/head_cost.json"))
     args = parser.parse_args(argv)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
     model, tokenizer = load(args.model, dtype=dtype)
     vocab = model.config.vocab_size

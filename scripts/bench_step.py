@@ -42,11 +42,11 @@ from pathlib import Path
 import torch
 
 import treespec
+from treespec.models import DEFAULT_MODEL, DTYPES
+from treespec.presets import DRAFT_TREE, DRAFT_VOCAB, EAGLE_TREE, MEDUSA_TREE
 from treespec.proposers.base import Proposer, WrappingProposer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROPOSERS = ("ngram", "draft", "medusa", "eagle")
-BENCH_DRAFT_VOCAB = 8192
 BATCHING = "per request: n new tokens (or drafted nodes) for each of the B requests, B * n in the step"
 
 
@@ -204,17 +204,17 @@ def make_proposer(kind: str, model, head, batch: int, budget: int, config: StepB
     linear = config.linear_backends[0]
     vocab = model.get_output_embeddings().weight.shape[0]
     # treespec bench's default read-out: the first 8,192 ids, for heads without their own
-    readout = range(min(BENCH_DRAFT_VOCAB, vocab)) if config.draft_vocab else None
+    readout = range(min(DRAFT_VOCAB, vocab)) if config.draft_vocab else None
     if kind == "eagle":
         own = head.config.eagle3 or head.config.draft_vocab_size is not None
-        proposer = EagleProposer(head, model, depth=6, top_k=8, total_tokens=31, max_batch_size=batch,
+        proposer = EagleProposer(head, model, **EAGLE_TREE, max_batch_size=batch,
                                  attention_backend=config.attention_backend, linear_backend=linear,
                                  readout_ids=None if own else readout)  # fmt: skip
     elif kind == "medusa":
-        proposer = MedusaProposer(head, model, dynamic=(8, 31), linear_backend=linear,
+        proposer = MedusaProposer(head, model, **MEDUSA_TREE, linear_backend=linear,
                                   readout_ids=None if head.config.own_lm_head else readout)  # fmt: skip
     else:  # draft
-        proposer = DraftModelProposer(head, target_model=model, dynamic=(4, 6, 31), max_batch_size=batch,
+        proposer = DraftModelProposer(head, target_model=model, **DRAFT_TREE, max_batch_size=batch,
                                       attention_backend=config.attention_backend, readout_ids=readout)  # fmt: skip
     proposer.set_budget(budget, budget)  # as deep as the nodes allow, within the proposer's depth
     return proposer
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registered name or local HF folder")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--out", type=Path, default=Path("bench_results/bench_step.json"))
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
                              "the proposers draft with the first")  # fmt: skip
     parser.add_argument("--full-readout", action="store_true",
                         help="EAGLE-1 heads, Medusa heads and the draft model read out through the whole vocabulary (default: the first "
-                        f"{BENCH_DRAFT_VOCAB} ids, as treespec bench)")  # fmt: skip
+                        f"{DRAFT_VOCAB} ids, as treespec bench)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

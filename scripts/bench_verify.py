@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from treespec.models import DEFAULT_MODEL
 from treespec.sampling import SamplingParams
 from treespec.tree import TokenTree
 from treespec.verify import verify
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--no-target", action="store_true", help="skip timing the target forward")
     parser.add_argument("--out", default="bench_results/verify.json")
     args = parser.parse_args()

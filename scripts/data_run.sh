@@ -8,7 +8,8 @@
 #
 # Benchmark prompt files given in HELD_OUT (colon list; default: the Spec-Bench and GSM8K files in
 # ../shared when they exist) are held out: no prompt equal or near one of them is kept.
-# FEATURES=0 skips the last stage (the hidden states, recomputed from the corpus, never committed).
+# FEATURES=0 skips the last stage (the hidden states, recomputed from the corpus, never committed);
+# EAGLE3=1 adds the fused layers EAGLE-3 reads, FEATURES_DTYPE (fp32) is the target's dtype there.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 CORPUS=${1:-runs/corpus}
@@ -20,6 +21,8 @@ ANSWER_TOKENS=${ANSWER_TOKENS:-3200000}
 FOLLOW_UP_SHARE=${FOLLOW_UP_SHARE:-0.1}
 COMMIT=${COMMIT:-1}
 FEATURES=${FEATURES:-1}
+EAGLE3=${EAGLE3:-0}
+FEATURES_DTYPE=${FEATURES_DTYPE:-fp32}
 TREESPEC=${TREESPEC:-treespec}
 shared=$here/../../shared/data/prompts
 HELD_OUT=${HELD_OUT:-$shared/spec_bench/question_no_mtbench.jsonl:$shared/gsm8k/test.jsonl}
@@ -36,5 +39,7 @@ $TREESPEC train-heads prompts --corpus "$CORPUS" --count "$ALL_PROMPTS" "${held[
 $TREESPEC train-heads answers --corpus "$CORPUS" --answer-tokens "$ANSWER_TOKENS" \
     --follow-up-share "$FOLLOW_UP_SHARE" "${store[@]}"
 if [[ $FEATURES == 1 ]]; then
-    $TREESPEC train-heads features --corpus "$CORPUS" --out "$DATA" "${store[@]}"
+    eagle3=(); [[ $EAGLE3 == 1 ]] && eagle3=(--eagle3)
+    $TREESPEC train-heads features --corpus "$CORPUS" --out "$DATA" --dtype "$FEATURES_DTYPE" \
+        "${eagle3[@]}" "${store[@]}"
 fi

@@ -13,19 +13,17 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 import treespec
 from treespec import heads as heads_module
 from treespec.heads.training.prompts import DEV_PROMPTS
 from treespec.heads.training.train import TrainConfig, proposer_for
-from treespec.models import load
+from treespec.models import DEFAULT_MODEL, DTYPES, load
 from treespec.prompts import encode_prompts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--kinds", default="eagle,medusa,draft")
     parser.add_argument(
         "--heads", nargs="*", default=None, help="one folder or name per kind (default: shipped)"
@@ -35,7 +33,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_results/heads_tau.json"))
     args = parser.parse_args()
     kinds = args.kinds.split(",")
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = DTYPES[args.dtype]
     model, tokenizer = load(args.model, dtype=dtype)
     shipped = heads_module.shipped_for(args.model)
     names = args.heads or [shipped[k] for k in kinds]

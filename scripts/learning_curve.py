@@ -33,6 +33,7 @@ from treespec.heads.training.train import (
     expand_histogram,
     train,
 )
+from treespec.models import DEFAULT_MODEL
 
 
 def measure(head: Path, args: argparse.Namespace, json_path: Path) -> dict:
@@ -97,7 +98,7 @@ def plot(points: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--data", required=True, help="folder written by 'treespec train-heads features'")
     parser.add_argument("--out", type=Path, default=Path("runs/curve"))
     parser.add_argument("--kind", default="eagle", choices=["eagle", "eagle3", "medusa", "draft"])

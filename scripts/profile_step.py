@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import treespec
 from treespec import models
+from treespec.models import DEFAULT_MODEL
 
 GROUPS = (
     ("linear", ("treespec_linear", "linear_bf16", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
@@ -103,7 +104,7 @@ def profile_forward(target: treespec.Target, size: int, context: int, repeats: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--sizes", default="1,16", help="new tokens, comma list (default: %(default)s)")
     parser.add_argument("--linear-backends", default="auto,fp32-kmajor",
                         help="comma list; with fp32-kmajor and native the attention backend is the "

@@ -127,7 +127,9 @@ def run_vllm_job(job_file: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
+    parser.add_argument(
+        "--model", default=None, help="registered name or local HF folder (default: treespec's)"
+    )
     parser.add_argument(
         "--heads", nargs="*", default=None, help="KIND=NAME_OR_FOLDER (default: the shipped ones)"
     )
@@ -155,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     from treespec import heads as heads_module
     from treespec import models
     from treespec.prompts import DEFAULT_PROMPTS, encode_prompts, read_prompt_records
+
+    args.model = args.model or models.DEFAULT_MODEL  # resolved here: the vLLM job imports no treespec
 
     heads = parse_heads(args.heads) if args.heads is not None else {
         kind: name for kind, name in heads_module.shipped_for(args.model).items() if kind in METHODS

@@ -230,6 +230,22 @@ def test_features_refuse_another_targets_folder(tmp_path):
         write_features(wider, _answers(model), tmp_path, feature_layers=LAYERS, progress=False)
 
 
+def test_features_of_a_bf16_target_and_no_mixing_of_dtypes(tmp_path):
+    model = build("llama")
+    answers = _answers(model)
+    half = build("llama").to(torch.bfloat16)
+    half.load_state_dict(model.state_dict())
+    write_features(half, answers[:2], tmp_path, feature_layers=LAYERS, progress=False)
+    data = HeadDataset(tmp_path, model)
+    assert data.manifest["target_dtype"] == "bfloat16"
+    seq = data.sequences()[0]
+    with torch.no_grad():
+        want = half(seq.tokens[None], output_hidden_states=True).hidden_states[-1][0]
+    torch.testing.assert_close(seq.hidden, want, atol=0.02, rtol=0.02)
+    with pytest.raises(ValueError, match="bfloat16 target.*float32.*--dtype"):
+        write_features(model, answers, tmp_path, feature_layers=LAYERS, progress=False)
+
+
 @pytest.mark.slow
 def test_magpie_prompts_from_the_real_model_resume_by_round(tmp_path):
     """SmolLM2 writes its own user turns from the template's opening; kept ones pass the filter;

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from treespec import heads
 from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel, StepThroughput
+from treespec.presets import EAGLE_TREE, NGRAM_TOKEN_COST, NGRAM_TREE
 from treespec.proposers.base import Proposer
 from treespec.proposers.eagle import EagleProposer
 from treespec.proposers.ngram import NgramProposer
@@ -36,13 +37,11 @@ def auto_proposer(
     context tokens each (None: the default, ``treespec.cache.default_max_len``)."""
     shipped = heads.shipped_for(model_name(model))
     if "eagle" not in shipped:
-        return NgramProposer(max_depth=8, max_nodes=32, token_cost=0.3)
+        return NgramProposer(**NGRAM_TREE, token_cost=NGRAM_TOKEN_COST)
     head = heads.load(shipped["eagle"], dtype=model.dtype, device=str(model.device))
     key = (id(model), batch_size)
     if key not in _COSTS:
         _COSTS[key] = CostModel.measure(target or Target(model), batch_size=batch_size, repeats=3)
-    eagle = EagleProposer(
-        head, model, depth=6, top_k=8, total_tokens=31, max_batch_size=batch_size, max_len=max_len
-    )
+    eagle = EagleProposer(head, model, **EAGLE_TREE, max_batch_size=batch_size, max_len=max_len)
     throughput = _RATES.setdefault(key, StepThroughput())
     return AdaptiveProposer(eagle, BudgetChooser(_COSTS[key]), throughput=throughput)

@@ -25,15 +25,15 @@ import torch
 from transformers import DynamicCache
 
 from treespec.api import generate
-from treespec.benchmark import DTYPES, left_pad
-from treespec.models import load
+from treespec.benchmark import left_pad
+from treespec.models import DEFAULT_MODEL, DTYPES, load
 from treespec.prompts import DEFAULT_PROMPTS, encode_prompts
 from treespec.target import Target
 
 
 @dataclass(frozen=True)
 class ARBenchConfig:
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     dtypes: tuple[str, ...] = ("bf16", "fp32")
     batch_sizes: tuple[int, ...] = (1, 4)
     max_new_tokens: int = 64

@@ -42,7 +42,17 @@ from treespec.fused import describe_path
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
 from treespec.linear import LINEAR_BACKENDS
-from treespec.models import load
+from treespec.models import DEFAULT_MODEL, DTYPES, load
+from treespec.presets import (
+    DRAFT_TREE,
+    DRAFT_VOCAB,
+    EAGLE_TREE,
+    HYBRID_EAGLE_TREE,
+    HYBRID_NGRAM_TREE,
+    MEDUSA_TREE,
+    NGRAM_TOKEN_COST,
+    NGRAM_TREE,
+)
 from treespec.processors import RowContexts, process
 from treespec.prompts import BENCH_PROMPTS, encode_prompts, read_prompt_records
 from treespec.proposers import (
@@ -57,7 +67,6 @@ from treespec.target import Target
 
 METHODS = ("none", "ngram", "draft", "medusa", "eagle", "hybrid")
 BASELINES = ("hf", "hf-pld", "hf-assisted")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The widest top-2 logit gap still called a near-tie: 4 rounding steps of a logit between 16 and 32
 # in bf16 and fp16 (the final logits are rounded there); in fp32, the ~1e-5 that summing a forward
 # in another order moves logits, with room.
@@ -66,7 +75,7 @@ NEAR_TIE_GAP = {"bf16": 4 * 2.0**-3, "fp16": 4 * 2.0**-6, "fp32": 1e-4}
 
 @dataclass(frozen=True)
 class BenchConfig:
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     proposers: tuple[str, ...] = ("all",)
     baselines: tuple[str, ...] = BASELINES
     prompts: str | None = None  # JSON lines; None: treespec's own BENCH_PROMPTS
@@ -82,7 +91,7 @@ class BenchConfig:
     budget: str = "adaptive"  # "fixed": the proposers' own sizes (31 drafted nodes); "N": N nodes every step
     linear_backend: str = "auto"  # treespec's target (treespec.linear); the HF baselines run natively
     attention_backend: str = "auto"  # treespec's target, EAGLE heads and draft models; not the HF baselines
-    draft_vocab: int = 8192  # EAGLE-1 / Medusa heads read out through the first N token ids (0: all)
+    draft_vocab: int = DRAFT_VOCAB  # EAGLE-1 / Medusa heads read out through the first N token ids (0: all)
     heads: tuple[tuple[str, str], ...] = ()  # (kind, folder or registered name): overrides the shipped heads
     json: str | None = None
     plot: str | None = None
@@ -181,28 +190,28 @@ class Components:
         if method == "none":
             return None
         if method == "ngram":
-            return NgramProposer(max_depth=8, max_nodes=32, token_cost=self.token_cost())
+            return NgramProposer(**NGRAM_TREE, token_cost=self.token_cost())
         linear = self.config.linear_backend  # heads read out with the target's linear backend
         attention = self.config.attention_backend  # EAGLE heads and draft models attend with it
         readout = self._readout("eagle") if method in ("eagle", "hybrid") else None
         if method == "eagle":
-            inner = EagleProposer(self.head("eagle", for_what="method 'eagle'"), self.model, depth=6, top_k=8,
-                                  total_tokens=31, max_batch_size=batch, linear_backend=linear,
+            inner = EagleProposer(self.head("eagle", for_what="method 'eagle'"), self.model, **EAGLE_TREE,
+                                  max_batch_size=batch, linear_backend=linear,
                                   attention_backend=attention, readout_ids=readout)  # fmt: skip
         elif method == "medusa":
-            inner = MedusaProposer(self.head("medusa", for_what="method 'medusa'"), self.model, dynamic=(8, 31),
+            inner = MedusaProposer(self.head("medusa", for_what="method 'medusa'"), self.model, **MEDUSA_TREE,
                                    linear_backend=linear, readout_ids=self._readout("medusa"))  # fmt: skip
         elif method == "draft":
             inner = DraftModelProposer(self.head("draft", for_what="method 'draft'"), target_model=self.model,
-                                       dynamic=(4, 6, 31), max_batch_size=batch, linear_backend=linear,
+                                       **DRAFT_TREE, max_batch_size=batch, linear_backend=linear,
                                        attention_backend=attention, readout_ids=self._readout("draft"))  # fmt: skip
         else:  # hybrid
-            eagle = EagleProposer(self.head("eagle", for_what="method 'hybrid'"), self.model, depth=6, top_k=8,
-                                  total_tokens=24, max_batch_size=batch, linear_backend=linear,
+            eagle = EagleProposer(self.head("eagle", for_what="method 'hybrid'"), self.model,
+                                  **HYBRID_EAGLE_TREE, max_batch_size=batch, linear_backend=linear,
                                   attention_backend=attention, readout_ids=readout)  # fmt: skip
             return HybridProposer(
                 self._adaptive(eagle, method),
-                NgramProposer(max_depth=8, max_nodes=8, token_cost=self.token_cost()),
+                NgramProposer(**HYBRID_NGRAM_TREE, token_cost=self.token_cost()),
             )
         return self._adaptive(inner, method)
 
@@ -210,7 +219,7 @@ class Components:
         """The n-gram proposers' cost of a drafted token: from this machine's measured cost curve
         with the adaptive budget (the same curve the heads' budget uses), 0.3 with fixed budgets."""
         if self.config.budget != "adaptive":
-            return 0.3
+            return NGRAM_TOKEN_COST
         return self.budget_chooser().forward_cost.token_cost(self.config.batch_size)
 
     def _readout(self, kind: str) -> range | None:

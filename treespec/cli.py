@@ -8,6 +8,9 @@ Each top-level command is added by one ``_add_<command>_parser(subparsers)`` fun
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import importlib
 import importlib.util
 import json
 import sys
@@ -15,12 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from treespec import models
+from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
+from treespec.linear import LINEAR_BACKENDS
 from treespec.prompts import BENCH_PROMPTS, encode_prompts
-
-# treespec.linear.LINEAR_BACKENDS, spelled out so that --help needs no torch (a test keeps them equal)
-LINEAR_BACKEND_CHOICES = ("auto", "native", "fp32-kmajor", "bf16-kernel")
-# treespec.kernels.tree_attention.BACKENDS, likewise (tests/test_bench_backends.py keeps them equal)
-ATTENTION_BACKEND_CHOICES = ("auto", "triton", "reference", "cpu")
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -116,18 +116,59 @@ def _csv(kind: type) -> Callable[[str], tuple]:
     return parse
 
 
+BENCH_CONFIG = "treespec.benchmark:BenchConfig"
+TRAIN_CONFIG = "treespec.heads.training.train:TrainConfig"
+MAGPIE_CONFIG = "treespec.heads.training.corpus:MagpieConfig"
+ANSWER_CONFIG = "treespec.heads.training.corpus:AnswerConfig"
+_CONFIG_OPTIONS: dict[str, set[str]] = {}  # config -> the fields the parsers set (filled by _config_option)
+
+
+def _config_option(parser: argparse.ArgumentParser, config: str, name: str, *flags: str, **kwargs) -> None:
+    """An option that sets field ``name`` of the dataclass ``config`` ("module:Class"). Its
+    default is the field's own, read from the class only when --help asks (the modules import
+    transformers, which a CLI start must not); absent, the option is left out of the namespace and
+    the config keeps its default. ``_config_values`` collects what was given."""
+    kwargs.setdefault("help", name.replace("_", " "))
+    action = parser.add_argument(
+        *(flags or ("--" + name.replace("_", "-"),)), dest=name, default=argparse.SUPPRESS, **kwargs
+    )
+    action.config_field = (config, name)  # type: ignore[attr-defined]
+    _CONFIG_OPTIONS.setdefault(config, set()).add(name)
+
+
+def _config_default(config: str, name: str) -> object:
+    module, cls = config.split(":")
+    field = {f.name: f for f in dataclasses.fields(getattr(importlib.import_module(module), cls))}[name]
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default  # type: ignore[misc]
+
+
+def _config_values(args: argparse.Namespace, config: str) -> dict:
+    """The options of ``config`` given on the command line, by field name."""
+    return {k: v for k, v in vars(args).items() if k in _CONFIG_OPTIONS.get(config, ())}
+
+
+def _model_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=models.DEFAULT_MODEL, help="registered name or local HF folder")
+
+
+def _dtype_option(parser: argparse.ArgumentParser, default: str, help: str = "the target's dtype") -> None:
+    parser.add_argument("--dtype", default=default, choices=sorted(models.DTYPES), help=help)
+
+
 class _DefaultsFormatter(argparse.HelpFormatter):
     """Every option's help ends with its default, unless the help already says it (options whose
-    default is None say in words what happens without them)."""
+    default is None say in words what happens without them). A config option's default is read
+    from its dataclass."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+        default = action.default
+        if hasattr(action, "config_field"):
+            default = _config_default(*action.config_field)
+        if "default" in text or action.nargs == 0 or default in (None, argparse.SUPPRESS):
             return text
-        default = (
-            ",".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else "%(default)s"
-        )
-        return f"{text} (default: {default})"
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
 
 
 def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -138,55 +179,57 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "prompt; prints a table per method and writes JSON and a PNG (docs/benchmark.md).",
         formatter_class=_DefaultsFormatter,
     )
-    bench.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
-    bench.add_argument("--proposer", type=_csv(str), default="all",
-                       help="comma list of none, ngram, draft, medusa, eagle, hybrid, all")  # fmt: skip
-    bench.add_argument("--baselines", type=_csv(str), default="hf,hf-pld,hf-assisted",
-                       help="comma list of hf (HF generate), hf-pld (prompt lookup), hf-assisted (shipped draft)")  # fmt: skip
-    bench.add_argument("--prompts", default=None,
-                       help="JSON lines (the prompt is turns[0], question or prompt; category groups them) or one "
-                       f"prompt per line (default: treespec's own {len(BENCH_PROMPTS)} prompts in "
-                       f"{len({c for c, _ in BENCH_PROMPTS})} categories)")  # fmt: skip
-    bench.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
-    bench.add_argument("--per-category", type=int, default=None,
-                       help="use the first N prompts of each category (default: all)")  # fmt: skip
-    bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
-    bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="the target's dtype")
-    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    bench.add_argument("--repetition-penalty", type=float, default=1.0,
-                       help="HF's repetition penalty for every method and baseline (1.0: off)")  # fmt: skip
-    bench.add_argument("--batch-size", type=int, default=1, help="prompts decoding together")
-    bench.add_argument("--seed", type=int, default=0, help="sampling seed")
-    bench.add_argument("--warmup", type=int, default=1, help="warm-up runs of every method (short)")
-    bench.add_argument("--draft-vocab", type=int, default=8192, metavar="N",
-                       help="EAGLE-1 heads, Medusa heads and draft models without a draft vocabulary of their own read out through "
-                            "the first N token ids, roughly the most frequent in a BPE vocabulary (0: all)")  # fmt: skip
-    bench.add_argument("--budget", default="adaptive", metavar="adaptive|fixed|N",
-                       help="tree size per step: chosen from measured costs and acceptance (adaptive), the "
-                       "proposers' own 31 nodes (fixed), or N drafted nodes every step (1 to 31)")  # fmt: skip
-    bench.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKEND_CHOICES,
-                       help="treespec's linear layers: auto = bf16-kernel for a bf16 model on a CPU with AVX2, "
-                            "else fp32-kmajor on a CPU, native elsewhere")  # fmt: skip
-    bench.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES,
-                       help="treespec's tree attention (target, EAGLE heads, draft models; not the HF baselines): "
-                            "auto = triton on CUDA, else the PyTorch reference (or treespec's batch-invariant cpu "
-                            "kernel for a bf16 model with both backends auto); reference is the fallback that "
-                            "runs anywhere")  # fmt: skip
+    option = functools.partial(_config_option, bench, BENCH_CONFIG)
+    option("model", help="registered name or local HF folder")
+    option(
+        "proposers",
+        "--proposer",
+        type=_csv(str),
+        help="comma list of none, ngram, draft, medusa, eagle, hybrid, all",
+    )
+    option("baselines", type=_csv(str),
+           help="comma list of hf (HF generate), hf-pld (prompt lookup), hf-assisted (shipped draft)")  # fmt: skip
+    option("prompts", help="JSON lines (the prompt is turns[0], question or prompt; category groups them) or one "
+           f"prompt per line (default: treespec's own {len(BENCH_PROMPTS)} prompts in "
+           f"{len({c for c, _ in BENCH_PROMPTS})} categories)")  # fmt: skip
+    option("num_prompts", type=int, help="use the first N prompts (default: all)")
+    option("per_category", type=int, help="use the first N prompts of each category (default: all)")
+    option("max_new_tokens", type=int, help="tokens generated per prompt")
+    option("dtype", choices=sorted(models.DTYPES), help="the target's dtype")
+    option("temperature", type=float, help="0: greedy")
+    option("repetition_penalty", type=float,
+           help="HF's repetition penalty for every method and baseline (1.0: off)")  # fmt: skip
+    option("batch_size", type=int, help="prompts decoding together")
+    option("seed", type=int, help="sampling seed")
+    option("warmup", type=int, help="warm-up runs of every method (short)")
+    option("draft_vocab", type=int, metavar="N",
+           help="EAGLE-1 heads, Medusa heads and draft models without a draft vocabulary of their own read out "
+           "through the first N token ids, roughly the most frequent in a BPE vocabulary (0: all)")  # fmt: skip
+    option("budget", metavar="adaptive|fixed|N",
+           help="tree size per step: chosen from measured costs and acceptance (adaptive), the "
+           "proposers' own 31 nodes (fixed), or N drafted nodes every step (1 to 31)")  # fmt: skip
+    option("linear_backend", choices=LINEAR_BACKENDS,
+           help="treespec's linear layers: auto = bf16-kernel for a bf16 model on a CPU with AVX2, "
+           "else fp32-kmajor on a CPU, native elsewhere")  # fmt: skip
+    option("attention_backend", choices=ATTENTION_BACKENDS,
+           help="treespec's tree attention (target, EAGLE heads, draft models; not the HF baselines): "
+           "auto = triton on CUDA, else the PyTorch reference (or treespec's batch-invariant cpu "
+           "kernel for a bf16 model with both backends auto); reference is the fallback that runs anywhere")  # fmt: skip
     bench.add_argument("--json", default="bench_results/bench.json", help="report path")
     bench.add_argument("--plot", default=None, metavar="PNG",
                        help="speedup per category and accepted-length histograms (default: the JSON's path with "
                        ".png; needs matplotlib)")  # fmt: skip
     bench.add_argument("--no-plot", action="store_true", help="write no PNG")
-    bench.add_argument("--verbose", action="store_true",
-                       help="print where each differing prompt first differs (the JSON always has it)")  # fmt: skip
-    bench.add_argument("--tie-gap", type=float, default=None, metavar="GAP",
-                       help="a prompt whose output first differs where the target's top-2 logits are within GAP "
-                       "is a rounding near-tie, beyond it a real divergence (default: 0.5 in bf16, 0.0625 in "
-                       "fp16, 1e-4 in fp32)")  # fmt: skip
+    option("verbose", action="store_true",
+           help="print where each differing prompt first differs (the JSON always has it)")  # fmt: skip
+    option("tie_gap", type=float, metavar="GAP",
+           help="a prompt whose output first differs where the target's top-2 logits are within GAP "
+           "is a rounding near-tie, beyond it a real divergence (default: 0.5 in bf16, 0.0625 in "
+           "fp16, 1e-4 in fp32)")  # fmt: skip
     bench.add_argument("--heads", action="append", default=[], metavar="KIND=PATH",
                        help="use this head folder for eagle, medusa or draft instead of the shipped one; "
                        "repeatable (default: the heads shipped for the model)")  # fmt: skip
-    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
+    option("device", choices=["cpu", "cuda"], help="where the models run")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.set_defaults(handler=_bench)
 
@@ -210,10 +253,11 @@ def _bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from treespec.kernels.tree_attention import resolve_backend
 
+    backend, device = getattr(args, "attention_backend", "auto"), getattr(args, "device", "cpu")
     try:  # a forced backend that cannot run here: one line before anything loads, not a traceback
-        resolve_backend(args.attention_backend, torch.device(args.device))
+        resolve_backend(backend, torch.device(device))
     except RuntimeError as exc:
-        raise ValueError(f"--attention-backend {args.attention_backend}: {exc}") from exc
+        raise ValueError(f"--attention-backend {backend}: {exc}") from exc
     plot = None if args.no_plot else args.plot
     if plot is None and not args.no_plot and args.json:
         if importlib.util.find_spec("matplotlib") is None:
@@ -224,14 +268,11 @@ def _bench(args: argparse.Namespace) -> int:
         else:
             plot = str(Path(args.json).with_suffix(".png"))
     config = BenchConfig(
-        model=args.model, proposers=tuple(args.proposer), baselines=tuple(args.baselines), prompts=args.prompts,
-        num_prompts=args.num_prompts, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
-        dtype=args.dtype, temperature=args.temperature, batch_size=args.batch_size, seed=args.seed,
-        warmup=args.warmup, budget=args.budget, linear_backend=args.linear_backend,
-        attention_backend=args.attention_backend, draft_vocab=args.draft_vocab, json=args.json, plot=plot, device=args.device, verbose=args.verbose,
-        tie_gap=args.tie_gap, repetition_penalty=args.repetition_penalty,
+        **_config_values(args, BENCH_CONFIG),
+        json=args.json,
+        plot=plot,
         heads=tuple(_kind_path(h) for h in args.heads),
-    )  # fmt: skip
+    )
     run(config)
     return EXIT_OK
 
@@ -244,8 +285,9 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
         "and 'train' (one kind of head on that data). Both resume where they stopped.",
     )
     stages = train.add_subparsers(dest="stage", metavar="STAGE", required=True)
+    stages.add_parser = functools.partial(stages.add_parser, formatter_class=_DefaultsFormatter)  # type: ignore[method-assign]
     data = stages.add_parser("data", help="generate the self-distilled data set")
-    data.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
+    _model_option(data)
     data.add_argument("--out", required=True, help="data folder (resumed when it exists)")
     data.add_argument("--prompts", action="append", default=[],
                       help="extra prompt file (JSONL: turns[0]/question/prompt, or one per line); repeatable")  # fmt: skip
@@ -254,28 +296,22 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument("--max-new-tokens", type=int, default=128)
     data.add_argument("--batch-size", type=int, default=8)
     data.add_argument("--shard-size", type=int, default=32, help="prompts per shard")
-    data.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32", help="fp32 is faster on CPUs")
+    _dtype_option(data, "fp32", help="the target's dtype while it answers")
     data.set_defaults(handler=_train_heads_data)
 
     corpus_help = "corpus folder: prompts.jsonl, answers.jsonl, state.json (resumed when it exists)"
     prompts = stages.add_parser(
         "prompts", help="at scale: the target writes its own user prompts (Magpie), plus the built-in ones"
     )
-    prompts.add_argument(
-        "--model", default="smollm2-135m-instruct", help="registered name or local HF folder"
-    )
+    _model_option(prompts)
     prompts.add_argument("--corpus", required=True, help=corpus_help)
-    prompts.add_argument("--count", type=int, default=20000, help="prompts in all (default: %(default)s)")
-    prompts.add_argument(
-        "--batch-size", type=int, default=64, help="requests decoding at once (default: %(default)s)"
-    )
-    prompts.add_argument("--temperature", type=float, default=1.0, help="default: %(default)s")
-    prompts.add_argument("--top-p", type=float, default=0.95, help="default: %(default)s")
-    prompts.add_argument(
-        "--max-tokens", type=int, default=96, help="longest user turn kept (default: %(default)s)"
-    )
-    prompts.add_argument("--round-size", type=int, default=1024,
-                         help="user turns sampled per resumable round (default: %(default)s)")  # fmt: skip
+    option = functools.partial(_config_option, prompts, MAGPIE_CONFIG)
+    option("count", type=int, help="prompts in all")
+    option("batch_size", type=int, help="requests decoding at once")
+    option("temperature", type=float)
+    option("top_p", type=float)
+    option("max_tokens", type=int, help="longest user turn kept")
+    option("round_size", type=int, help="user turns sampled per resumable round")
     prompts.add_argument(
         "--prompts", action="append", default=[], help="also add this prompt file; repeatable"
     )
@@ -285,38 +321,36 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     prompts.add_argument("--held-out", action="append", default=[],
                          help="prompt file never to train on (benchmark sets): no prompt equal or near it is "
                          "kept; repeatable. treespec bench's and the dev prompts are always held out")  # fmt: skip
-    prompts.add_argument("--seed", type=int, default=0)
-    prompts.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="default: %(default)s")
+    option("seed", type=int)
+    _dtype_option(prompts, "bf16")
     _add_store_args(prompts)
     prompts.set_defaults(handler=_train_heads_prompts)
 
     answers = stages.add_parser("answers", help="at scale: the target answers the corpus's prompts")
-    answers.add_argument(
-        "--model", default="smollm2-135m-instruct", help="registered name or local HF folder"
-    )
+    _model_option(answers)
     answers.add_argument("--corpus", required=True, help=corpus_help)
-    answers.add_argument("--max-new-tokens", type=int, default=256, help="default: %(default)s")
-    answers.add_argument("--batch-size", type=int, default=64, help="default: %(default)s")
-    answers.add_argument("--sampled-share", type=float, default=0.2,
-                         help="share of answers sampled rather than greedy (default: %(default)s)")  # fmt: skip
-    answers.add_argument(
-        "--temperature", type=float, default=0.7, help="of the sampled answers (default: %(default)s)"
+    option = functools.partial(_config_option, answers, ANSWER_CONFIG)
+    option("max_new_tokens", type=int)
+    option("batch_size", type=int)
+    option("sampled_share", type=float, help="share of answers sampled rather than greedy")
+    option("temperature", type=float, help="of the sampled answers")
+    option(
+        "answer_tokens",
+        type=int,
+        help="stop once this many answer tokens exist (default: answer every prompt)",
     )
-    answers.add_argument(
-        "--answer-tokens", type=int, default=None, help="stop once this many answer tokens exist"
-    )
-    answers.add_argument("--follow-up-share", type=float, default=0.0,
-                         help="then: this share of answered prompts gets a follow-up question written by the "
-                         "target, answered in turn (default: %(default)s)")  # fmt: skip
-    answers.add_argument("--seed", type=int, default=0)
-    answers.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="default: %(default)s")
+    _config_option(answers, MAGPIE_CONFIG, "follow_up_share", type=float,
+                   help="then: this share of answered prompts gets a follow-up question written by the "
+                   "target, answered in turn")  # fmt: skip
+    option("seed", type=int)
+    _dtype_option(answers, "bf16")
     _add_store_args(answers)
     answers.set_defaults(handler=_train_heads_answers)
 
     feats = stages.add_parser(
         "features", help="at scale: hidden states of the corpus's answered sequences, at prefill speed"
     )
-    feats.add_argument("--model", default="smollm2-135m-instruct", help="registered name or local HF folder")
+    _model_option(feats)
     feats.add_argument("--corpus", required=True, help="corpus folder written by 'prompts' and 'answers'")
     feats.add_argument("--out", required=True, help="data folder for 'train' (resumed when it exists)")
     feats.add_argument(
@@ -325,39 +359,43 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     feats.add_argument(
         "--batch-tokens", type=int, default=4096, help="positions per forward (default: %(default)s)"
     )
+    _dtype_option(feats, "fp32", help="the target's dtype in its teacher-forced forwards (bf16: the features "
+                  "the heads read at inference with a bf16 target, several times faster where the CPU has bf16 "
+                  "instructions)")  # fmt: skip
     _add_store_args(feats)
     feats.set_defaults(handler=_train_heads_features)
 
     fit = stages.add_parser("train", help="train one kind of head on a data folder")
     fit.add_argument("--kind", required=True, choices=["eagle", "eagle3", "medusa", "draft"])
-    fit.add_argument("--model", default="smollm2-135m-instruct")
+    _model_option(fit)
     fit.add_argument("--data", required=True, help="folder written by 'treespec train-heads data'")
     fit.add_argument("--out", required=True, help="run folder: checkpoint.pt, report.json, head/")
-    fit.add_argument("--epochs", type=int, default=2)
-    fit.add_argument("--lr", type=float, default=1e-3)
-    fit.add_argument("--warmup-steps", type=int, default=20)
-    fit.add_argument("--batch-tokens", type=int, default=2048)
-    fit.add_argument("--max-seq-len", type=int, default=512)
-    fit.add_argument("--grad-clip", type=float, default=0.5)
-    fit.add_argument("--medusa-heads", type=int, default=3)
-    fit.add_argument("--draft-layers", type=int, default=2)
-    fit.add_argument("--draft-vocab-size", type=int, default=8192,
-                     help="read-out vocabulary: EAGLE kinds, the data's most frequent tokens; Medusa and "
-                     "draft, the first N ids, as treespec bench drafts (0: all; default: %(default)s)")  # fmt: skip
-    fit.add_argument("--ttt-steps", type=int, default=1,
-                     help="EAGLE kinds: training-time test, steps the head runs on its own outputs, "
-                     "the first included (default: %(default)s, off)")  # fmt: skip
-    fit.add_argument("--data-tokens", type=int, default=None,
-                     help="train on whole sequences until this many answer tokens, in an order fixed by "
-                     "their tokens, so smaller subsets of one data folder open larger ones (default: all)")  # fmt: skip
-    fit.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: each epoch)")
-    fit.add_argument(
-        "--eval-prompts", type=int, default=8, help="dev prompts for the per-epoch tau (0: none)"
+    option = functools.partial(_config_option, fit, TRAIN_CONFIG)
+    option("epochs", type=int)
+    option("lr", type=float)
+    option("warmup_steps", type=int)
+    option("batch_tokens", type=int, help="positions per batch")
+    option("max_seq_len", type=int)
+    option("grad_clip", type=float)
+    option("medusa_heads", type=int)
+    option("draft_layers", type=int)
+    option("draft_vocab_size", type=int,
+           help="read-out vocabulary: EAGLE kinds, the data's most frequent tokens; Medusa and "
+           "draft, the first N ids, as treespec bench drafts (0: all)")  # fmt: skip
+    option(
+        "ttt_steps",
+        type=int,
+        help="EAGLE kinds: training-time test, steps the head runs on its own outputs, the first included (1: off)",
     )
-    fit.add_argument("--eval-new-tokens", type=int, default=128)
+    option("data_tokens", type=int,
+           help="train on whole sequences until this many answer tokens, in an order fixed by "
+           "their tokens, so smaller subsets of one data folder open larger ones (default: all)")  # fmt: skip
+    option("checkpoint_every", type=int, help="steps (0: each epoch)")
+    option("eval_prompts", type=int, help="dev prompts for the per-epoch tau (0: none)")
+    option("eval_new_tokens", type=int)
     fit.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")
     fit.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    fit.add_argument("--seed", type=int, default=0)
+    option("seed", type=int)
     fit.add_argument("--threads", type=int, default=None)
     fit.set_defaults(handler=_train_heads_train)
 
@@ -386,7 +424,6 @@ def _open_store(args: argparse.Namespace, tokenizer):
 
 
 def _train_heads_data(args: argparse.Namespace) -> int:
-    import torch
 
     from treespec.heads.eagle import default_feature_layers
     from treespec.heads.training.data import write_dataset
@@ -399,9 +436,7 @@ def _train_heads_data(args: argparse.Namespace) -> int:
         texts = texts[: args.num_prompts]
     if not texts:
         raise ValueError("no prompts: give --prompts FILE or drop --no-builtin-prompts")
-    model, tokenizer = models.load(
-        args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    )
+    model, tokenizer = models.load(args.model, dtype=models.DTYPES[args.dtype])
     layers = default_feature_layers(model.config.get_text_config().num_hidden_layers)
     manifest = write_dataset(
         model, encode_prompts(tokenizer, texts), args.out, feature_layers=layers,
@@ -413,7 +448,6 @@ def _train_heads_data(args: argparse.Namespace) -> int:
 
 
 def _train_heads_prompts(args: argparse.Namespace) -> int:
-    import torch
 
     from treespec.heads.training.corpus import MagpieConfig, add_prompts, synthesize_prompts
     from treespec.heads.training.prompts import DEV_PROMPTS, read_prompt_file, train_prompts
@@ -422,9 +456,7 @@ def _train_heads_prompts(args: argparse.Namespace) -> int:
     held_out = list(DEV_PROMPTS) + list(DEFAULT_PROMPTS)
     for path in args.held_out:
         held_out += read_prompt_file(path)
-    model, tokenizer = models.load(
-        args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    )
+    model, tokenizer = models.load(args.model, dtype=models.DTYPES[args.dtype])
     store = _open_store(args, tokenizer)
     written = store.add if store is not None else None
     if not args.no_builtin_prompts:
@@ -433,9 +465,7 @@ def _train_heads_prompts(args: argparse.Namespace) -> int:
     for path in args.prompts:
         added = add_prompts(args.corpus, read_prompt_file(path), f"file:{path}", held_out, on_written=written)
         print(f"{args.corpus}: {added} prompts added from {path}")
-    config = MagpieConfig(count=args.count, batch_size=args.batch_size, max_tokens=args.max_tokens,
-                          round_size=args.round_size, temperature=args.temperature, top_p=args.top_p,
-                          seed=args.seed)  # fmt: skip
+    config = MagpieConfig(**_config_values(args, MAGPIE_CONFIG))
     state = synthesize_prompts(model, tokenizer, args.corpus, config, held_out=held_out, on_written=written)
     if store is not None:
         store.flush()
@@ -447,8 +477,6 @@ def _train_heads_answers(args: argparse.Namespace) -> int:
     from dataclasses import replace
     from pathlib import Path
 
-    import torch
-
     from treespec.heads.training.corpus import (
         PROMPTS,
         AnswerConfig,
@@ -458,19 +486,16 @@ def _train_heads_answers(args: argparse.Namespace) -> int:
         write_answers,
     )
 
-    model, tokenizer = models.load(
-        args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    )
-    config = AnswerConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                          sampled_share=args.sampled_share, temperature=args.temperature,
-                          answer_tokens=args.answer_tokens, seed=args.seed)  # fmt: skip
+    model, tokenizer = models.load(args.model, dtype=models.DTYPES[args.dtype])
+    config = AnswerConfig(**_config_values(args, ANSWER_CONFIG))
     store = _open_store(args, tokenizer)
     written = store.add if store is not None else None
     summary = write_answers(model, tokenizer, args.corpus, config, on_written=written)
-    if args.follow_up_share > 0:
+    follow_ups = MagpieConfig(**{k: v for k, v in _config_values(args, MAGPIE_CONFIG).items()
+                                 if k in ("batch_size", "seed", "follow_up_share")})  # fmt: skip
+    if follow_ups.follow_up_share > 0:
         added = synthesize_follow_ups(
-            model, tokenizer, args.corpus,
-            MagpieConfig(batch_size=args.batch_size, follow_up_share=args.follow_up_share, seed=args.seed),
+            model, tokenizer, args.corpus, follow_ups,
             on_written=written,
         )  # fmt: skip
         records = read_records(Path(args.corpus) / PROMPTS)
@@ -495,14 +520,12 @@ def _train_heads_answers(args: argparse.Namespace) -> int:
 def _train_heads_features(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import torch
-
     from treespec.heads.eagle import default_feature_layers
     from treespec.heads.training.corpus import ANSWERS, PROMPTS, read_records
     from treespec.heads.training.data import write_features
 
     corpus = Path(args.corpus)
-    model, tokenizer = models.load(args.model, dtype=torch.float32)
+    model, tokenizer = models.load(args.model, dtype=models.DTYPES[args.dtype])
     _open_store(args, tokenizer)
     answers = read_records(corpus / ANSWERS)
     if not answers:
@@ -528,13 +551,7 @@ def _train_heads_train(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = models.load(args.model, dtype=torch.float32)
     data = HeadDataset(args.data, model)
-    config = TrainConfig(
-        kind=args.kind, epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps,
-        batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len, grad_clip=args.grad_clip,
-        medusa_heads=args.medusa_heads, draft_layers=args.draft_layers, draft_vocab_size=args.draft_vocab_size,
-        checkpoint_every=args.checkpoint_every, eval_new_tokens=args.eval_new_tokens, ttt_steps=args.ttt_steps,
-        eval_prompts=args.eval_prompts, seed=args.seed, data_tokens=args.data_tokens,
-    )  # fmt: skip
+    config = TrainConfig(kind=args.kind, **_config_values(args, TRAIN_CONFIG))
     dev = encode_prompts(tokenizer, DEV_PROMPTS) if args.eval_prompts else None
     report = train(
         config, model, data, args.out, resume=args.resume, eval_prompts=dev, max_steps=args.max_steps

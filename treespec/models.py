@@ -34,6 +34,8 @@ if TYPE_CHECKING:  # transformers is imported lazily: it is slow to import and t
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "DEFAULT_MODEL",
+    "DTYPES",
     "MODELS",
     "ChecksumError",
     "ModelLoadError",
@@ -118,6 +120,8 @@ MODELS: dict[str, ModelSpec] = {
         ),
     )
 }
+DEFAULT_MODEL = "smollm2-135m-instruct"  # what the CLI, the benchmarks and the scripts load by default
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # by their CLI names
 
 # Temp folders are named ".tmp-<name>_<random>"; names never contain "_", so the prefix of one
 # model's temp folders can never match another model's (e.g. "foo" vs "foo-it").

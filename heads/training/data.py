@@ -31,6 +31,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from treespec.api import generate
+from treespec.cache import DEFAULT_MAX_LEN
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -245,7 +246,7 @@ def write_features(
     eagle3: bool = False,
     batch_tokens: int = 4096,
     shard_tokens: int = 65536,
-    max_len: int = 2048,
+    max_len: int = DEFAULT_MAX_LEN,
     progress: bool = True,
 ) -> dict:
     """Teacher-forced forwards over stored sequences (``corpus.write_answers`` records: ``id``,
@@ -259,10 +260,12 @@ def write_features(
     folder.mkdir(parents=True, exist_ok=True)
     described = target_description(model, tuple(feature_layers))
     manifest = _read_manifest(folder)
+    dtype = str(model.dtype).removeprefix("torch.")
     if manifest is None:
         manifest = {
             "format": FORMAT,
             "target": described,
+            "target_dtype": dtype,
             "features": eagle3,
             "source": "answers",
             "shards": [],
@@ -272,6 +275,9 @@ def write_features(
         if manifest.get("features", True) != eagle3:
             raise ValueError(f"{folder} was written {'with' if manifest.get('features', True) else 'without'} "
                              f"EAGLE-3 features; pass the same choice to resume, or use another folder")  # fmt: skip
+        if manifest.get("target_dtype", "float32") != dtype:
+            raise ValueError(f"{folder} holds features of a {manifest.get('target_dtype', 'float32')} target; "
+                             f"this target runs in {dtype}: pass the same --dtype to resume, or use another folder")  # fmt: skip
     done = {i for shard in manifest["shards"] for i in shard["prompt_ids"]}
     todo = [a for a in answers if a["id"] not in done and a["answer"]]
     todo = [a for a in todo if len(a["prompt"]) + len(a["answer"]) <= max_len]

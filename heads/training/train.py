@@ -51,6 +51,7 @@ from treespec.heads.draft import make_draft, save_draft
 from treespec.heads.eagle import EagleConfig, EagleHead
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
 from treespec.heads.training.data import HeadDataset, Sequence
+from treespec.presets import DRAFT_TREE, DRAFT_VOCAB, EAGLE_TREE, MEDUSA_TREE
 from treespec.proposers import DraftModelProposer, EagleProposer, MedusaProposer
 
 KINDS = ("eagle", "eagle3", "medusa", "draft")
@@ -75,7 +76,7 @@ class TrainConfig:
     medusa_heads: int = 3
     draft_layers: int = 2
     draft_vocab_size: int = (
-        8192  # read-out rows (0: all): EAGLE, the most frequent tokens; else the first ids
+        DRAFT_VOCAB  # read-out rows (0: all): EAGLE, the most frequent tokens; else the first ids
     )
     checkpoint_every: int = 0  # steps; 0: only at the end of each epoch
     eval_new_tokens: int = 128
@@ -515,12 +516,12 @@ def save_module(config: TrainConfig, module: nn.Module, folder: Path) -> Path:
 def proposer_for(config: TrainConfig, module: nn.Module, target: PreTrainedModel):
     """The proposer tau is measured with: a dynamic tree of at most 32 nodes, root included."""
     if config.kind in ("eagle", "eagle3"):
-        return EagleProposer(module, target, depth=6, top_k=8, total_tokens=31)  # as treespec bench drafts
+        return EagleProposer(module, target, **EAGLE_TREE)  # as treespec bench drafts
     rows = readout_size(config, target)
     readout = range(rows) if rows < target.get_output_embeddings().weight.shape[0] else None
     if config.kind == "medusa":
-        return MedusaProposer(module, target, dynamic=(8, 31), readout_ids=readout)
-    return DraftModelProposer(module, target_model=target, dynamic=(4, 6, 31), readout_ids=readout)
+        return MedusaProposer(module, target, **MEDUSA_TREE, readout_ids=readout)
+    return DraftModelProposer(module, target_model=target, **DRAFT_TREE, readout_ids=readout)
 
 
 @torch.inference_mode()

@@ -63,7 +63,7 @@ def test_learning_curve_trains_nested_points_measures_them_and_skips_what_the_da
     prompts = tiny_model_data_and_prompts(tmp_path)
     argv = ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "curve"),
             "--points", "10,30,100000", "--epochs", "1", "--prompts", prompts, "--per-category", "1",
-            "--new-tokens", "4"]  # fmt: skip
+            "--new-tokens", "4", "--settings", "4:0", "31:1"]  # fmt: skip
     run_script("learning_curve", argv, monkeypatch)
     points = json.loads((tmp_path / "curve" / "curve.json").read_text())["points"]
     assert [p.get("skipped", "") == "" for p in points] == [True, True, False]
@@ -75,12 +75,21 @@ def test_learning_curve_trains_nested_points_measures_them_and_skips_what_the_da
             p["tau"] >= 1 and set(p["tau_per_category"]) == {"a", "b"} and p["identical_to_reference"] == 1.0
         )
         assert p["prompts"] == 2 and all(0 <= a <= 1 for a in p["acceptance_by_depth"])
+        assert set(p["tau_at"]) == {"4 nodes T=0", "31 nodes T=1"} and all(
+            t >= 1 for t in p["tau_at"].values()
+        )
+    assert "tau, 4 nodes T=0 | tau, 31 nodes T=1" in (tmp_path / "curve" / "curve.md").read_text()
     assert "| 10" not in (tmp_path / "curve" / "curve.md").read_text()  # the data's own sizes, not the asked
     assert (tmp_path / "curve" / "curve.png").stat().st_size > 1000
     # a second run keeps the finished points (their heads are not retrained)
     stamp = (tmp_path / "curve" / "eagle-10" / "head" / "model.safetensors").stat().st_mtime_ns
     run_script("learning_curve", argv, monkeypatch)
     assert (tmp_path / "curve" / "eagle-10" / "head" / "model.safetensors").stat().st_mtime_ns == stamp
+    beside = ["--out", str(tmp_path / "beside"), "--beside", str(tmp_path / "curve"), "--points", "10"]
+    run_script("learning_curve", argv + beside, monkeypatch)
+    assert (tmp_path / "beside" / "curve.png").stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        run_script("learning_curve", argv + ["--settings", "40:0"], monkeypatch)
 
 
 @pytest.mark.slow

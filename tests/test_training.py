@@ -195,6 +195,31 @@ def test_resume_on_other_data_is_refused(tiny_data, tmp_path):
     assert 20 <= report["answer_tokens"] < sum(len(s.tokens) - s.prompt_len for s in data.sequences())
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_bf16_autocast_trains_fp32_weights_close_to_fp32(tiny_data, tmp_path, kind):
+    model, folder = tiny_data
+    data = HeadDataset(folder, model)
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        config = TrainConfig(kind=kind, epochs=2, batch_tokens=40, warmup_steps=2, ttt_steps=2,
+                             feature_noise=0.0, precision=precision)  # fmt: skip
+        report = train(config, model, data, tmp_path / precision, progress=False)
+        state = torch.load(tmp_path / precision / "checkpoint.pt", weights_only=True)["module"]
+        assert all(t.dtype == torch.float32 for t in state.values() if t.is_floating_point())
+        runs[precision] = (report, state)
+    (full, a), (half, b) = runs["fp32"], runs["bf16"]
+    assert full["steps"] == half["steps"]
+    assert half["history"][-1]["mean_loss"] == pytest.approx(full["history"][-1]["mean_loss"], rel=0.05)
+    assert half["history"][-1]["mean_loss"] < half["history"][0]["mean_loss"]
+    # autocast ran: the bf16 run's weights moved apart from the fp32 run's, but not far
+    changed = [name for name in a if a[name].is_floating_point() and not torch.equal(a[name], b[name])]
+    assert changed
+    for name in changed:
+        torch.testing.assert_close(b[name], a[name], atol=0.05, rtol=0.05)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        TrainConfig(kind=kind, precision="fp16")
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "draft"])
 def test_trained_head_loads_and_proposes(tiny_data, tmp_path, kind):
     model, folder = tiny_data

@@ -391,6 +391,8 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
            help="train on whole sequences until this many answer tokens, in an order fixed by "
            "their tokens, so smaller subsets of one data folder open larger ones (default: all)")  # fmt: skip
     option("checkpoint_every", type=int, help="steps (0: each epoch)")
+    option("precision", choices=["fp32", "bf16"],
+           help="bf16: forwards and backwards under bf16 autocast, fp32 weights and optimizer state")  # fmt: skip
     option("eval_prompts", type=int, help="dev prompts for the per-epoch tau (0: none)")
     option("eval_new_tokens", type=int)
     fit.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")

@@ -55,6 +55,7 @@ from treespec.presets import DRAFT_TREE, DRAFT_VOCAB, EAGLE_TREE, MEDUSA_TREE
 from treespec.proposers import DraftModelProposer, EagleProposer, MedusaProposer
 
 KINDS = ("eagle", "eagle3", "medusa", "draft")
+PRECISIONS = ("fp32", "bf16")
 CHECKPOINT = "checkpoint.pt"
 
 
@@ -79,6 +80,9 @@ class TrainConfig:
         DRAFT_VOCAB  # read-out rows (0: all): EAGLE, the most frequent tokens; else the first ids
     )
     checkpoint_every: int = 0  # steps; 0: only at the end of each epoch
+    # "bf16": forwards and backwards under bf16 autocast (weights, gradients and AdamW state stay
+    # fp32), several times faster on CPUs with bf16 matrix units; "fp32": every op in fp32
+    precision: str = "fp32"
     eval_new_tokens: int = 128
     eval_prompts: int = 8
     seed: int = 0
@@ -91,6 +95,8 @@ class TrainConfig:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be an int >= 1, got {self.ttt_steps!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.data_tokens is not None and (not isinstance(self.data_tokens, int) or self.data_tokens < 1):
             raise ValueError(f"data_tokens must be a positive int or None, got {self.data_tokens!r}")
 
@@ -457,7 +463,8 @@ def train(
         module.train()
         while state["batch"] < len(batches):
             batch = batches[state["batch"]]
-            loss = loss_fn(module, target, [sequences[i] for i in batch], config)
+            with _autocast(config, target):
+                loss = loss_fn(module, target, [sequences[i] for i in batch], config)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if world > 1:
@@ -503,6 +510,10 @@ def train(
         save_module(config, module, out_dir / "head")
         (out_dir / "report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _autocast(config: TrainConfig, target: PreTrainedModel) -> torch.autocast:
+    return torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
 
 
 def save_module(config: TrainConfig, module: nn.Module, folder: Path) -> Path:

@@ -11,9 +11,9 @@ Names: a *request id* is the engine's handle for a request; a *slot* is a cache 
 from __future__ import annotations
 
 import os
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -25,6 +25,7 @@ from treespec.proposers.base import ProposalRequest, Proposer, RequestResult, St
 from treespec.requests import EngineStats, Request, RequestOutput
 from treespec.sampling import SamplingParams
 from treespec.step_batch import StepBatch, StepReadback, read_back
+from treespec.step_state import Step, StepPlan, StepTimer
 from treespec.target import Target
 from treespec.tree import TokenTree
 
@@ -111,6 +112,7 @@ class Engine:
         self._requests: dict[int, Request] = {}
         self._next_id = 0
         self._pinned: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # tokens, keys, values
+        self.last_step: Step | None = None
 
     def pin_prefix(self, tokens: Sequence[int]) -> None:
         """Compute the K/V of ``tokens`` once (a shared system prompt, a chat template's
@@ -234,40 +236,43 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One round: propose trees, score everything in one forward, verify, read back, commit,
-        emit. The device is read once, after verification (:func:`treespec.step_batch.read_back`)."""
-        start = time.perf_counter()
+        advance. The device is read once, after verification (:func:`treespec.step_batch.read_back`).
+        The finished step is kept as ``last_step``."""
+        timer = StepTimer(self.target.device)
         self._admit()
         if not self._running:
             return []
-        decoding = [r for r in self._running if not r.prefilling]
-        trees, suspect = self._propose(decoding)
-        proposed = time.perf_counter()
-        batch = self._build_step(trees)
-        finishing = [r for r in self._running if r.prefilling and batch.finishes_prefill(r)]
-        logits, features = self._score(batch, trees, suspect, finishing, decoding)
-        scored = time.perf_counter()
-        back = self._verify(batch, logits, trees, suspect, finishing, decoding)
-        verified = time.perf_counter()
-        self._commit(batch, decoding, back)
-        committed = time.perf_counter()
-        outputs = self._advance(batch, features, finishing, decoding, back)
-        self._count_step((start, proposed, scored, verified, committed, time.perf_counter()))
+        plan = self._plan(timer)
+        logits, features = self._score(plan)
+        timer.mark()
+        back = self._verify(plan, logits)
+        timer.mark()
+        self._commit(plan, back)
+        timer.mark()
+        step = Step(plan, back, features)
+        outputs = self._advance(step)
+        timer.mark()
+        self.last_step = replace(step, times=timer.times())
+        self.stats.add_step(self.last_step.times)
         return outputs
 
-    def _score(
-        self,
-        batch: StepBatch,
-        trees: TokenTree | None,
-        suspect: torch.Tensor | None,
-        finishing: list[Request],
-        decoding: list[Request],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target's forward over the step's rows: (logits after the processors, the
-        features the proposer reads, or None)."""
+    def _plan(self, timer: StepTimer) -> StepPlan:
+        """Propose the decoding requests' trees (the step's first stage), then lay out its rows."""
+        decoding = tuple(r for r in self._running if not r.prefilling)
+        trees, suspect = self._propose(decoding)
+        timer.mark()
+        batch = self._build_step(trees)
+        finishing = tuple(r for r in self._running if r.prefilling and batch.finishes_prefill(r))
+        return StepPlan(tuple(self._running), finishing, decoding, trees, suspect, batch)
+
+    def _score(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's forward over the step's rows: (its logits, the features the proposer
+        reads, or None)."""
+        batch = plan.batch
         # A token outside the vocabulary is reported after the read; the forward must not index with it.
-        tokens = batch.tokens if suspect is None else batch.tokens.clamp(0, self.target.vocab_size - 1)
+        tokens = batch.tokens if plan.suspect is None else batch.tokens.clamp(0, self.target.vocab_size - 1)
         out = self.target.forward(
-            tokens, self.cache, batch.cu, [r.slot for r in self._running], tree_mask=batch.tree_mask,
+            tokens, self.cache, batch.cu, [r.slot for r in plan.running], tree_mask=batch.tree_mask,
             depth=batch.depth, logit_rows=batch.logit_rows, hidden_layers=self.feature_layers,
             return_hidden=self.wants_hidden,
         )  # fmt: skip
@@ -276,77 +281,64 @@ class Engine:
             if self.feature_layers
             else out.hidden
         )
-        return self.picker.process(out.logits, finishing, decoding, trees), features
+        return out.logits, features
 
-    def _verify(
-        self,
-        batch: StepBatch,
-        logits: torch.Tensor,
-        trees: TokenTree | None,
-        suspect: torch.Tensor | None,
-        finishing: list[Request],
-        decoding: list[Request],
-    ) -> StepReadback:
-        """The prompts' first tokens and the trees' verification, read back in the step's one
-        read; a proposal that failed its check raises here, before anything is committed."""
-        first = self.picker.first_tokens(finishing, logits[: batch.num_prefill_logits])
-        table = self.picker.verify_table(decoding, trees, logits[batch.num_prefill_logits :])
-        back = read_back(first, table, trees, suspect)
+    def _verify(self, plan: StepPlan, logits: torch.Tensor) -> StepReadback:
+        """The processors, the prompts' first tokens and the trees' verification, read back in
+        the step's one read; a proposal that failed its check raises here, before anything is
+        committed."""
+        finishing, decoding = list(plan.finishing), list(plan.decoding)
+        logits = self.picker.process(logits, finishing, decoding, plan.trees)
+        first = self.picker.first_tokens(finishing, logits[: plan.batch.num_prefill_logits])
+        table = self.picker.verify_table(decoding, plan.trees, logits[plan.batch.num_prefill_logits :])
+        back = read_back(first, table, plan.trees, plan.suspect)
         if back.suspect:  # the forward ran on clamped tokens; nothing is committed
-            locate_problem(trees, self._asks(decoding), self.target.vocab_size, self.max_tree_nodes)
+            locate_problem(plan.trees, self._asks(decoding), self.target.vocab_size, self.max_tree_nodes)
             raise ValueError("proposer returned a tree that does not match its requests")
         return back
 
-    def _commit(self, batch: StepBatch, decoding: list[Request], back: StepReadback) -> None:
+    def _commit(self, plan: StepPlan, back: StepReadback) -> None:
         """Keep in the cache every prefill chunk whole and each tree's accepted path."""
-        keep = batch.prefill_accepted | {
-            r.request_id: nodes for r, nodes in zip(decoding, back.accepted, strict=True)
+        keep = plan.batch.prefill_accepted | {
+            r.request_id: nodes for r, nodes in zip(plan.decoding, back.accepted, strict=True)
         }
-        self.cache.commit([r.slot for r in self._running], [keep[r.request_id] for r in self._running])
+        self.cache.commit([r.slot for r in plan.running], [keep[r.request_id] for r in plan.running])
 
-    def _advance(
-        self,
-        batch: StepBatch,
-        features: torch.Tensor | None,
-        finishing: list[Request],
-        decoding: list[Request],
-        back: StepReadback,
-    ) -> list[RequestOutput]:
+    def _advance(self, step: Step) -> list[RequestOutput]:
         """Move every request on by what the step committed, tell the proposer, retire the
         finished requests; the step's outputs."""
+        plan, back = step.plan, step.back
         if self._handover is not None:
-            self._handover.prefill(features, batch, self._running)
-        for request in self._running:
+            self._handover.prefill(step.features, plan.batch, list(plan.running))
+        for request in plan.running:
             if request.prefilling:
-                request.num_prefilled += batch.chunk_len[request.request_id]
-        prefill_hidden: list = [None] * len(finishing)
-        decode_hidden: list = [None] * len(decoding)
+                request.num_prefilled += plan.batch.chunk_len[request.request_id]
+        prefill_hidden: list = [None] * len(plan.finishing)
+        decode_hidden: list = [None] * len(plan.decoding)
         if self._handover is not None:
             prefill_hidden, decode_hidden = committed_features(
-                features, batch, self._running, finishing, decoding, back.accepted
-            )
+                step.features, plan.batch, list(plan.running), list(plan.finishing), list(plan.decoding), back.accepted
+            )  # fmt: skip
+        outputs, results = [], []
         # The prompt's last token acts as a root-alone tree: its row produced the first token.
-        prefill_trees = [([r.prompt[-1]], [-1]) for r in finishing]
-        outputs, results = self._emit(
-            finishing, prefill_trees, [[0]] * len(finishing), [[t] for t in back.first_tokens], prefill_hidden
+        for request, token, hidden in zip(plan.finishing, back.first_tokens, prefill_hidden, strict=True):
+            kept = self._append(request, [token])
+            outputs.append(RequestOutput(request.request_id, kept, request.finished, request.finish_reason))
+            results.append(RequestResult(request.request_id, [request.prompt[-1]], [-1], [0], kept,
+                                         _cut(hidden, kept)))  # fmt: skip
+        decoded = zip(
+            plan.decoding, back.tree_lists, back.accepted, back.committed, decode_hidden, strict=True
         )
-        decoded, decode_results = self._emit(
-            decoding, back.tree_lists, back.accepted, back.committed, decode_hidden, decode=True
-        )
-        if self.proposer is not None and (results or decode_results):
-            self.proposer.observe(StepResult(results + decode_results))
+        for request, (tree_tokens, tree_parents), nodes, tokens, hidden in decoded:
+            kept = self._append(request, tokens)
+            self.stats.accepted_lengths.setdefault(request.request_id, []).append(len(tokens))
+            outputs.append(RequestOutput(request.request_id, kept, request.finished, request.finish_reason))
+            results.append(RequestResult(request.request_id, tree_tokens, tree_parents, nodes, kept,
+                                         _cut(hidden, kept)))  # fmt: skip
+        if self.proposer is not None and results:
+            self.proposer.observe(StepResult(results))
         self._retire()
-        return outputs + decoded
-
-    def _count_step(self, times: tuple[float, ...]) -> None:
-        """Add one step's stage times: (start, proposed, scored, verified, committed, end)."""
-        start, proposed, scored, verified, committed, end = times
-        self.stats.steps += 1
-        self.stats.propose_s += proposed - start
-        self.stats.forward_s += scored - proposed
-        self.stats.verify_s += verified - scored
-        self.stats.commit_s += committed - verified
-        self.stats.step_s += end - start
+        return outputs
 
     def _admit(self) -> None:
         while self._waiting and self.cache.num_free and len(self._running) < self.max_running:
@@ -357,7 +349,7 @@ class Engine:
             if self._pinned:
                 self._reuse_pinned(request)
 
-    def _propose(self, decoding: list[Request]) -> tuple[TokenTree | None, torch.Tensor | None]:
+    def _propose(self, decoding: Sequence[Request]) -> tuple[TokenTree | None, torch.Tensor | None]:
         """One tree per decoding request, on the model's device, and the proposal check's flag
         on the device (True: something is wrong; the step raises once it has read it back);
         (None, None) without decoding requests. Without a proposer every tree is its root alone."""
@@ -371,7 +363,7 @@ class Engine:
         self.stats.drafted_nodes += tree.num_nodes - len(decoding)
         return tree.to(self.target.device), suspect
 
-    def _asks(self, decoding: list[Request]) -> list[ProposalRequest]:
+    def _asks(self, decoding: Sequence[Request]) -> list[ProposalRequest]:
         return [
             ProposalRequest(
                 r.request_id, r.prompt + r.output, len(r.prompt), r.sampling, r.max_new_tokens - len(r.output)
@@ -394,49 +386,23 @@ class Engine:
                 ]
         return StepBatch.build(self._running, chunks, trees, self.target.device)
 
-    def _emit(
-        self,
-        requests: list[Request],
-        trees: list[tuple[list[int], list[int]]],
-        accepted: list[list[int]],
-        produced: list[list[int]],
-        hidden: list[torch.Tensor | None],
-        decode: bool = False,
-    ) -> tuple[list[RequestOutput], list[RequestResult]]:
-        """Append each request's committed tokens, cutting at EOS and max_new_tokens; return
-        what each request produced, and the step's result for the proposer."""
-        outputs, results = [], []
-        for request, (tree_tokens, tree_parents), nodes, tokens, states in zip(
-            requests, trees, accepted, produced, hidden, strict=True
-        ):
-            kept = []
-            for token in tokens:
-                kept.append(token)
-                if token in request.eos_token_ids:
-                    request.finish_reason = "eos"
-                elif len(request.output) + len(kept) >= request.max_new_tokens:
-                    request.finish_reason = "length"
-                elif request.stop is not None and request.stop(request.prompt + request.output + kept):
-                    request.finish_reason = "stop"
-                if request.finished:
-                    break
-            request.output.extend(kept)
-            self.stats.new_tokens += len(kept)
-            if decode:
-                self.stats.accepted_lengths.setdefault(request.request_id, []).append(len(tokens))
-            outputs.append(RequestOutput(request.request_id, kept, request.finished, request.finish_reason))
-            # states[j] is the feature at the node that predicted kept[j]
-            results.append(
-                RequestResult(
-                    request.request_id,
-                    tree_tokens,
-                    tree_parents,
-                    nodes,
-                    kept,
-                    None if states is None else states[: len(kept)],
-                )  # fmt: skip
-            )
-        return outputs, results
+    def _append(self, request: Request, tokens: list[int]) -> list[int]:
+        """Append the step's committed tokens to the request's output, cut at EOS,
+        max_new_tokens or its stop rule (that token kept); returns what was kept."""
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            if token in request.eos_token_ids:
+                request.finish_reason = "eos"
+            elif len(request.output) + len(kept) >= request.max_new_tokens:
+                request.finish_reason = "length"
+            elif request.stop is not None and request.stop(request.prompt + request.output + kept):
+                request.finish_reason = "stop"
+            if request.finished:
+                break
+        request.output.extend(kept)
+        self.stats.new_tokens += len(kept)
+        return kept
 
     def _retire(self) -> None:
         for request in self._running:
@@ -446,3 +412,8 @@ class Engine:
                 if self.proposer is not None:
                     self.proposer.release(request.request_id)
         self._running = [r for r in self._running if not r.finished]
+
+
+def _cut(hidden: torch.Tensor | None, kept: list[int]) -> torch.Tensor | None:
+    """hidden[j] is the feature at the node that predicted kept[j]: the rows of what was kept."""
+    return None if hidden is None else hidden[: len(kept)]

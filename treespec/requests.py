@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from treespec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from treespec.step_state import StepTimes
 
 
 @dataclass
@@ -57,10 +61,20 @@ class EngineStats:
     forward_s: float = 0.0  # scoring: target forwards (includes the host syncs they end with)
     verify_s: float = 0.0  # verification (or plain sampling without a proposer)
     commit_s: float = 0.0  # KV cache compaction of the accepted paths
+    advance_s: float = 0.0  # the requests moved on: outputs cut, features handed over, retirements
     step_s: float = 0.0  # time inside step(), all stages and bookkeeping
     drafted_nodes: int = 0  # tree nodes proposed beyond the roots, over all decoding steps and requests
     # Per request id: tokens committed at each decoding step (accepted drafted tokens + the bonus).
     accepted_lengths: dict[int, list[int]] = field(default_factory=dict)
+
+    def add_step(self, times: StepTimes) -> None:
+        self.steps += 1
+        self.propose_s += times.propose_s
+        self.forward_s += times.forward_s
+        self.verify_s += times.verify_s
+        self.commit_s += times.commit_s
+        self.advance_s += times.advance_s
+        self.step_s += times.step_s
 
     @property
     def tau(self) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -92,11 +93,35 @@ def test_learning_curve_trains_nested_points_measures_them_and_skips_what_the_da
         run_script("learning_curve", argv + ["--settings", "40:0"], monkeypatch)
 
 
+def test_eagle_kinds_trains_both_kinds_point_by_point_and_draws_them_together(tmp_path):
+    import subprocess
+
+    pytest.importorskip("matplotlib")
+    prompts = tiny_model_data_and_prompts(tmp_path)
+    env = os.environ | {
+        "PYTHON": sys.executable, "MODEL": str(tmp_path / "model"), "POINTS": "10,30", "EPOCHS": "1",
+        "TTT_STEPS": "2", "SETTINGS": "4:0", "PER_CATEGORY": "1", "NEW_TOKENS": "4", "BENCH_PROMPTS": prompts,
+    }  # fmt: skip
+    out = tmp_path / "kinds"
+    run = subprocess.run([str(SCRIPTS / "eagle_kinds.sh"), str(tmp_path / "data"), str(out)], env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    for kind, ttt in (("eagle", "1"), ("eagle3", "2")):
+        curve = json.loads((out / kind / "curve.json").read_text())
+        assert curve["args"]["ttt_steps"] == ttt and curve["args"]["precision"] == "bf16"
+        assert [
+            p["answer_tokens"] >= 10 and set(p["tau_at"]) == {"4 nodes T=0"} for p in curve["points"]
+        ] == [True] * 2
+    assert (
+        json.loads((out / "eagle3" / "eagle3-10" / "report.json").read_text())["config"]["kind"] == "eagle3"
+    )
+    assert (out / "eagle3" / "curve.png").stat().st_size > 1000
+
+
 @pytest.mark.slow
 def test_quick_recipe_runs_every_stage_and_reports_its_tau(tmp_path):
     """The quick recipe end to end at its smallest: prompts, answers, features, an EAGLE head, its
     tau; a second run resumes every stage and trains no further."""
-    import os
     import subprocess
 
     env = os.environ | {
@@ -141,7 +166,6 @@ def test_quick_recipe_runs_every_stage_and_reports_its_tau(tmp_path):
 def test_ship_heads_trains_benches_and_ships_the_three_kinds_and_resumes(tmp_path):
     """scripts/ship_heads.sh at its smallest, on a tiny model: the curve's largest EAGLE point,
     Medusa and the draft, both benches, ship.json and the copies; a second run trains nothing."""
-    import os
     import subprocess
 
     pytest.importorskip("matplotlib")

@@ -33,8 +33,8 @@ from transformers import LlamaConfig, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from treespec.cache import DEFAULT_MAX_LEN
 from treespec.heads.folder import read_folder, write_folder
+from treespec.presets import DEFAULT_MAX_LEN
 
 HEAD_TYPE = "eagle"
 

@@ -38,10 +38,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig
 
-from treespec.cache import DEFAULT_MAX_LEN
 from treespec.heads.eagle import EagleConfig, EagleHead
 from treespec.heads.fit import TargetShape
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
+from treespec.presets import DEFAULT_MAX_LEN
 
 MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 

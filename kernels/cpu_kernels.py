@@ -377,7 +377,7 @@ def decoder_bf16(
     layer_out: ctypes.Array,
 ) -> None:
     """The fused decoder stack (``treespec_decoder_bf16`` in the C file) over ``hidden`` [T, H]
-    bf16 in place (no final norm when ``final_norm`` is None). Raw pointers: :class:`treespec.fused.FusedDecoder` lays out and owns every
+    bf16 in place (no final norm when ``final_norm`` is None). Raw pointers: :class:`treespec.target.fused.FusedDecoder` lays out and owns every
     argument; nothing here checks them beyond the cache's layout."""
     if not (keys.is_contiguous() and values.is_contiguous() and keys.dtype is torch.bfloat16):
         raise ValueError(f"the fused decoder needs contiguous bf16 caches, got {keys.dtype}")

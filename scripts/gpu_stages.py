@@ -95,7 +95,7 @@ def truncate(model, layers: int | None):
 
 
 class RandomComponents:
-    """treespec.benchmark.Components' interface over the random stand-in (no tokenizer, no heads)."""
+    """treespec.bench.e2e.Components' interface over the random stand-in (no tokenizer, no heads)."""
 
     methods = ("none", "ngram")
 
@@ -122,7 +122,7 @@ class RandomComponents:
 
 def components_for(args, dtype: str, backend: str):
     """(components, model description, prompts, categories) for a stage."""
-    from treespec.benchmark import BenchConfig, Components
+    from treespec.bench.e2e import BenchConfig, Components
     from treespec.prompts import BENCH_PROMPTS, encode_prompts, read_prompt_records
 
     config = BenchConfig(model=MODEL, proposers=("none",), baselines=("hf",), max_new_tokens=args.max_new_tokens,
@@ -158,7 +158,7 @@ def synthetic_prompts(count: int, vocab: int) -> list[list[int]]:
 
 def methods_for(components, wanted: list[str]) -> list[str]:
     """The wanted methods this model can run (the random stand-in has no heads)."""
-    from treespec.benchmark import METHODS
+    from treespec.bench.e2e import METHODS
 
     unknown = [m for m in wanted if m not in METHODS]
     if unknown:
@@ -281,7 +281,7 @@ def ancestors(parents: list[int], i: int) -> list[int]:
 def identity(args, out: JsonLines) -> int:
     """fp32 greedy: the Triton backend's tokens equal the reference backend's, and HF's."""
     from treespec import Target
-    from treespec.benchmark import run_method
+    from treespec.bench.e2e import run_method
 
     args.budget = "fixed"  # no cost calibration: nothing here is timed
     components, described, prompts = components_for(args, "fp32", "triton")
@@ -338,7 +338,7 @@ def speed(args, out: JsonLines) -> int:
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     print(f"speed: {described}, {args.dtype}, batch {args.batch_size}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens, attention {components.target.attention_backend}, {order}")  # fmt: skip
-    from treespec.benchmark import run_method
+    from treespec.bench.e2e import run_method
 
     config = components.config
     components.config = replace(config, max_new_tokens=min(8, config.max_new_tokens))

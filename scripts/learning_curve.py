@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from treespec import models
-from treespec.benchmark import BenchConfig, run
+from treespec.bench.e2e import BenchConfig, run
 from treespec.heads.training.data import HeadDataset
 from treespec.heads.training.train import (
     CHECKPOINT,

@@ -1,6 +1,6 @@
-"""``treespec bench`` (treespec.benchmark): end to end on a tiny model with its own tokenizer and
+"""``treespec bench`` (treespec.bench.e2e): end to end on a tiny model with its own tokenizer and
 heads, the identity check, bad input; and the autoregressive engine benchmark of
-scripts/bench_ar.py (treespec.bench_ar) on one small case."""
+treespec bench ar (treespec.bench.ar) on one small case."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from conftest import build
 from test_eagle import random_head
 from transformers.utils import logging as hf_logging
 
-from treespec.bench_ar import ARBenchConfig, run_ar_bench
-from treespec.benchmark import BenchConfig, Components, category_batches, format_report, summarise
+from treespec.bench.ar import ARBenchConfig, run_ar_bench
+from treespec.bench.e2e import BenchConfig, Components, category_batches, format_report, summarise
 from treespec.cli import main
 from treespec.heads.draft import make_draft, save_draft
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
@@ -267,7 +267,7 @@ def test_every_method_is_set_against_plain_decoding_beside_hf():
     JSON (overall and per category), the table and the summary, which names the best and the
     slowest speculative method: a method below plain decoding reads below 1.00x there even when it
     is far above HF."""
-    from treespec.benchmark import SPEEDUP_BASES, _speedups, summary_line
+    from treespec.bench.e2e import SPEEDUP_BASES, _speedups, summary_line
 
     def entry(name, kind, rates):
         return {"name": name, "kind": kind, "tokens_per_s": sum(rates.values()) / 2,

@@ -1,12 +1,9 @@
-"""scripts/bench_step.py on a tiny random Llama with random heads: the report's structure and
+"""`treespec bench step` (treespec.bench.step) on a tiny random Llama with random heads: the report's structure and
 positive times for every forward size and every proposer's budget."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from conftest import build
@@ -14,20 +11,13 @@ from test_eagle import random_head
 from test_heads import random_heads
 
 SMALL = dict(context=16, batches=(1, 2), sizes=(1, 4), budgets=(1, 3), repeats=1, warmup=1)
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_step.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def bench_step():
-    return load_script()
+    from treespec.bench import step
+
+    return step
 
 
 def test_quick_run_reports_every_size_and_budget(bench_step, tmp_path):

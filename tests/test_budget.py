@@ -245,11 +245,13 @@ def test_greedy_steps_without_a_tree_skip_the_tree_sampler(monkeypatch):
     """A step whose trees are roots only picks each bonus token as plain decoding does (the
     argmax), without the tree sampler: the output is the same, and the sampler runs only in
     the steps that drafted."""
-    import treespec.picking
+    import treespec.engine.picking
 
     calls = []
-    real_verify = treespec.picking.verify
-    monkeypatch.setattr(treespec.picking, "verify", lambda *a, **k: calls.append(1) or real_verify(*a, **k))
+    real_verify = treespec.engine.picking.verify
+    monkeypatch.setattr(
+        treespec.engine.picking, "verify", lambda *a, **k: calls.append(1) or real_verify(*a, **k)
+    )
     model = build("llama")
     want = treespec.generate(model, [[5, 6, 7]], max_new_tokens=30).sequences
     eagle = EagleProposer(random_head(model), model, top_k=2, depth=3, total_tokens=6)

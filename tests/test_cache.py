@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treespec.cache import CacheFullError, KVCache
+from treespec.target.cache import CacheFullError, KVCache
 
 
 def make_cache(num_slots=3, max_len=10) -> KVCache:

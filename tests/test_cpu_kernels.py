@@ -12,11 +12,10 @@ from conftest import build
 from torch import nn
 
 import treespec
-from treespec import linear
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import tree_attention, tree_attention_naive, tree_attention_ref
 from treespec.proposers import DraftModelProposer, NgramProposer
-from treespec.target import Target
+from treespec.target import Target, linear
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
 
@@ -359,7 +358,7 @@ def test_bit_equality_sees_the_order_of_a_sum(road):
 
 @needs_kernels
 def test_each_road_measures_its_arithmetic_peak_and_an_absent_road_is_refused(road):
-    """The micro-benchmark's peak (scripts/bench_cpu_kernels.py) runs on every road this machine
+    """The micro-benchmark's peak (treespec bench cpu-kernels) runs on every road this machine
     has: a positive rate in flops/s; a road that is not here is refused by name."""
     assert cpu_kernels.peak_flops(road, iterations=64_000) > 1e9
     absent = [r for r in cpu_kernels.ISAS if r not in cpu_kernels.roads()] + ["sse2"]

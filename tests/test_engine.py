@@ -285,14 +285,15 @@ def test_a_wrapper_declares_what_the_wrapped_proposer_declares_without_copying()
 
 def test_one_default_context_and_requests_longer_than_a_proposer_holds_are_refused_up_front():
     """The engine and the proposers with caches of their own size by one default
-    (treespec.cache.default_max_len); a proposer declares what it holds (max_context), read
+    (treespec.target.cache.default_max_len); a proposer declares what it holds (max_context), read
     through wrappers, and an engine that may need more refuses with both numbers."""
     from test_eagle import random_head
 
     from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
-    from treespec.cache import DEFAULT_MAX_LEN, default_max_len
+    from treespec.presets import DEFAULT_MAX_LEN
     from treespec.proposers import DraftModelProposer, EagleProposer, HybridProposer
     from treespec.target import Target
+    from treespec.target.cache import default_max_len
 
     model = build("llama")
     context = model.config.max_position_embeddings

@@ -11,10 +11,9 @@ from conftest import build, hf_greedy
 from torch import nn
 
 import treespec
-from treespec import linear
 from treespec.kernels import cpu_kernels
 from treespec.proposers.draft import DraftModelProposer
-from treespec.target import Target
+from treespec.target import Target, linear
 
 
 def make_layer(dtype: torch.dtype, bias: bool = True) -> nn.Linear:

@@ -23,6 +23,13 @@ def run_script(name: str, argv: list[str], monkeypatch) -> None:
     module.main()
 
 
+def run_suite(name: str, argv: list[str]) -> None:
+    """``treespec bench NAME ARGV``, in this process."""
+    from treespec import cli
+
+    assert cli.main(["bench", name, *argv]) == 0
+
+
 def tiny_model_data_and_prompts(tmp_path: Path) -> str:
     """A tiny model in tmp_path/model, its head data (48 answer tokens) in tmp_path/data, and two
     bench prompts in two categories; returns the prompts file."""
@@ -40,8 +47,8 @@ def tiny_model_data_and_prompts(tmp_path: Path) -> str:
 @pytest.mark.slow
 def test_profile_step_groups_the_time_of_each_forward(tmp_path, monkeypatch, capsys):
     out = tmp_path / "profile.json"
-    run_script("profile_step", ["--sizes", "1,2", "--linear-backends", "auto", "--repeats", "1", "--warmup", "0",
-                                "--context", "16", "--out", str(out)], monkeypatch)  # fmt: skip
+    run_suite("profile", ["--sizes", "1,2", "--linear-backends", "auto", "--repeats", "1", "--warmup", "0",
+                          "--context", "16", "--out", str(out)])  # fmt: skip
     rows = json.loads(out.read_text())["results"]
     assert [r["new_tokens"] for r in rows] == [1, 2]
     for row in rows:
@@ -52,7 +59,7 @@ def test_profile_step_groups_the_time_of_each_forward(tmp_path, monkeypatch, cap
 
 @pytest.mark.slow
 def test_bench_batch_decode_reports_prefill_and_decode_rates(monkeypatch, capsys):
-    run_script("bench_batch_decode", ["--batch", "2", "--new", "3"], monkeypatch)
+    run_suite("batch", ["--batch", "2", "--new", "3"])
     printed = capsys.readouterr().out
     assert "prefill" in printed and "decode step" in printed and "tokens/s" in printed
 
@@ -267,8 +274,8 @@ def test_bench_head_cost_times_each_head_kind_at_both_budgets(tmp_path, monkeypa
 
     tiny_model_folder(tmp_path)
     out = tmp_path / "cost.json"
-    run_script("bench_head_cost", ["--model", str(tmp_path / "model"), "--new", "6", "--repeats", "1",
-                                   "--dtype", "fp32", "--out", str(out)], monkeypatch)  # fmt: skip
+    run_suite("head-cost", ["--model", str(tmp_path / "model"), "--new", "6", "--repeats", "1",
+                            "--dtype", "fp32", "--out", str(out)])  # fmt: skip
     report = json.loads(out.read_text())
     assert {(r["head"], r["total_tokens"]) for r in report["rows"]} == {
         (head, nodes)

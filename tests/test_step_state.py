@@ -8,12 +8,12 @@ import torch
 from conftest import tiny_llama
 
 from treespec import Engine, SamplingParams, Target
-from treespec.handover import HiddenHandover, committed_features
-from treespec.picking import TokenPicker
+from treespec.engine.handover import HiddenHandover, committed_features
+from treespec.engine.picking import TokenPicker
+from treespec.engine.requests import Request
+from treespec.engine.step_batch import StepBatch, read_back
+from treespec.engine.step_state import STAGES, StepTimer
 from treespec.proposers import NgramProposer, Proposer
-from treespec.requests import Request
-from treespec.step_batch import StepBatch, read_back
-from treespec.step_state import STAGES, StepTimer
 from treespec.tree import TokenTree, chain_mask
 
 GREEDY = SamplingParams()

@@ -17,7 +17,7 @@ _EXPORTS = {
     "GenerationStats": "treespec.api",
     "Engine": "treespec.engine",
     "RequestOutput": "treespec.engine",
-    "KVCache": "treespec.cache",
+    "KVCache": "treespec.target.cache",
     "SamplingParams": "treespec.sampling",
     "Target": "treespec.target",
     "load": "treespec.models",
@@ -40,11 +40,11 @@ assert sorted(__all__) == sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from treespec.api import GenerationOutput, GenerationStats, generate
-    from treespec.cache import KVCache
     from treespec.engine import Engine, RequestOutput
     from treespec.models import load
     from treespec.sampling import SamplingParams
     from treespec.target import Target
+    from treespec.target.cache import KVCache
     from treespec.wrapper import SpeculativeCausalLM
 
 

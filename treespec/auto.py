@@ -34,7 +34,7 @@ def auto_proposer(
     model: PreTrainedModel, *, batch_size: int = 1, target: Target | None = None, max_len: int | None = None
 ) -> Proposer:
     """The proposer ``proposer="auto"`` picks, for ``batch_size`` requests of at most ``max_len``
-    context tokens each (None: the default, ``treespec.cache.default_max_len``)."""
+    context tokens each (None: the default, ``treespec.target.cache.default_max_len``)."""
     shipped = heads.shipped_for(model_name(model))
     if "eagle" not in shipped:
         return NgramProposer(**NGRAM_TREE, token_cost=NGRAM_TOKEN_COST)

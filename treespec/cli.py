@@ -19,8 +19,8 @@ from pathlib import Path
 
 from treespec import models
 from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
-from treespec.linear import LINEAR_BACKENDS
 from treespec.prompts import BENCH_PROMPTS, encode_prompts
+from treespec.target.linear import LINEAR_BACKENDS
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -116,7 +116,26 @@ def _csv(kind: type) -> Callable[[str], tuple]:
     return parse
 
 
-BENCH_CONFIG = "treespec.benchmark:BenchConfig"
+BENCH_CONFIG = "treespec.bench.e2e:BenchConfig"
+# `treespec bench SUITE ...`: the benchmarks beside the end-to-end one (module in treespec.bench,
+# what it measures); each reads its own flags (`treespec bench SUITE --help`).
+BENCH_SUITES = {
+    "step": ("step", "a step's cost per tree size, drafting and verification, per proposer and backend"),
+    "batch": ("batch", "large-batch throughput as the data stages use it: prefill, then decode steps"),
+    "verify": ("verify", "the tree rejection sampler's cost per batch, tree size and vocabulary"),
+    "ar": ("ar", "plain decoding against HF generate and a bare HF loop, per dtype and batch size"),
+    "head-cost": (
+        "head_cost",
+        "an EAGLE head's drafting cost per step beside the target's forward over its tree",
+    ),
+    "cpu-kernels": (
+        "cpu_kernels",
+        "the CPU kernels against the machine's limits, and where a fused step's time goes",
+    ),
+    "compile": ("compile", "whether torch.compile pays for a target step: HF's forward eager and compiled"),
+    "draft-acceptance": ("draft_acceptance", "sampled against top-k draft children at temperature > 0"),
+    "profile": ("profile", "where one target step's time goes, per linear backend and number of new tokens"),
+}
 TRAIN_CONFIG = "treespec.heads.training.train:TrainConfig"
 MAGPIE_CONFIG = "treespec.heads.training.corpus:MagpieConfig"
 ANSWER_CONFIG = "treespec.heads.training.corpus:AnswerConfig"
@@ -160,6 +179,11 @@ class _DefaultsFormatter(argparse.HelpFormatter):
     default is None say in words what happens without them). A config option's default is read
     from its dataclass."""
 
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        """Each line wrapped on its own; an indented line (a list's entry) kept as written."""
+        return "\n".join(indent + line if line.startswith("  ") else super(_DefaultsFormatter, self)._fill_text(line, width, indent)
+                         for line in text.splitlines())  # fmt: skip
+
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
@@ -177,6 +201,8 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="benchmark treespec's methods against HF generate, prompt lookup and assisted generation",
         description="Every method and baseline runs on the same prompts in one process, interleaved per "
         "prompt; prints a table per method and writes JSON and a PNG (docs/benchmark.md).",
+        epilog="other benchmarks, each with its own flags (treespec bench SUITE --help):\n"
+        + "\n".join(f"  {name:<17} {what}" for name, (_, what) in BENCH_SUITES.items()),
         formatter_class=_DefaultsFormatter,
     )
     option = functools.partial(_config_option, bench, BENCH_CONFIG)
@@ -247,7 +273,7 @@ def _bench(args: argparse.Namespace) -> int:
     )  # a few seconds of silence otherwise
     import torch
 
-    from treespec.benchmark import BenchConfig, run
+    from treespec.bench.e2e import BenchConfig, run
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -566,17 +592,34 @@ def _train_heads_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _exit_code(exc: SystemExit) -> int:
+    """argparse exits on --help (code None or 0) and on bad usage (2): the code to return instead."""
+    if exc.code is None:
+        return EXIT_OK
+    return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+
+
+def _run_suite(name: str, argv: list[str]) -> int:
+    """``treespec bench NAME ARGS``: the suite's own parser reads ARGS."""
+    module = importlib.import_module(f"treespec.bench.{BENCH_SUITES[name][0]}")
+    result = module.main(argv, prog=f"treespec bench {name}")
+    return EXIT_OK if result is None else result
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCH_SUITES:
+        run = functools.partial(_run_suite, argv[1], argv[2:])
+    else:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:
+            return _exit_code(exc)
+        run = functools.partial(args.handler, args)
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits on --help and on bad usage; return its code instead
-        if exc.code is None:
-            return EXIT_OK
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    handler: Handler = args.handler
-    try:
-        return handler(args)
+        return run()
+    except SystemExit as exc:  # a suite's own parser
+        return _exit_code(exc)
     except ValueError as exc:  # unknown names and other bad input: one line, no traceback
         print(f"treespec: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

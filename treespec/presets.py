@@ -28,3 +28,7 @@ NGRAM_TOKEN_COST = 0.3
 # Heads without a draft vocabulary of their own (EAGLE-1 without d2t, Medusa, draft models) read
 # out through the first DRAFT_VOCAB token ids; training uses the same number of rows.
 DRAFT_VOCAB = 8192
+
+# Context tokens per request (prompt + output) when nobody says how many; a shorter model
+# context wins (treespec.target.cache.default_max_len).
+DEFAULT_MAX_LEN = 4096

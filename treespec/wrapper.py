@@ -108,7 +108,7 @@ class SpeculativeCausalLM:
 
     ``proposer`` drafts token trees for speculative decoding (None: autoregressive decoding).
     ``prefill_chunk_size`` splits long prompts into chunks; ``attention_backend`` ("auto",
-    "triton" or "reference") and ``linear_backend`` (one of ``treespec.linear.LINEAR_BACKENDS``) are
+    "triton" or "reference") and ``linear_backend`` (one of ``treespec.target.linear.LINEAR_BACKENDS``) are
     handed to :class:`~treespec.target.Target`, which runs a view of the model: the model itself
     is left as it was, so its own ``generate`` and ``forward`` are unchanged.
     """

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from treespec.api import generate
-from treespec.cache import DEFAULT_MAX_LEN
+from treespec.presets import DEFAULT_MAX_LEN
 
 MANIFEST = "manifest.json"
 FORMAT = 1

@@ -28,13 +28,12 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from treespec import linear
-from treespec.cache import default_max_len
-from treespec.fused import describe_path, level_rows
 from treespec.processors import process_draft, tree_paths
 from treespec.proposers.base import ProposalRequest, Proposer, reduced_rows
 from treespec.sampling import logits_to_probs
-from treespec.target import Target
+from treespec.target import Target, linear
+from treespec.target.cache import default_max_len
+from treespec.target.fused import describe_path, level_rows
 from treespec.tree import (
     BITS_PER_WORD,
     NO_PARENT,

@@ -31,16 +31,22 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from treespec import linear
-from treespec.cache import KVCache, default_max_len
-from treespec.fused import FusedEagleLayer, describe_path, eagle_refusal, env_refusal, level_rows, say_once
 from treespec.heads.eagle import EagleHead
 from treespec.heads.fit import TargetShape
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import cpu_rows, resolve_backend
 from treespec.processors import process_draft
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
-from treespec.target import StepMetadata
+from treespec.target import StepMetadata, linear
+from treespec.target.cache import KVCache, default_max_len
+from treespec.target.fused import (
+    FusedEagleLayer,
+    describe_path,
+    eagle_refusal,
+    env_refusal,
+    level_rows,
+    say_once,
+)
 from treespec.tree import (
     NO_PARENT,
     TokenTree,
@@ -75,7 +81,7 @@ class EagleProposer(Proposer):
         """``total_tokens`` drafted nodes at most (the root not counted), ``depth`` levels, each
         expansion keeping the ``top_k`` best children of the ``top_k`` best frontier nodes.
         ``max_batch_size`` requests at once (the engine admits no more). ``linear_backend`` as
-        for the Target (:mod:`treespec.linear`): the head and the target's LM head it reads out
+        for the Target (:mod:`treespec.target.linear`): the head and the target's LM head it reads out
         through run as views with that backend; the modules passed in are left untouched.
 
         ``readout_ids``: an EAGLE-1 head reads out through these rows of the target's LM head
@@ -86,7 +92,7 @@ class EagleProposer(Proposer):
         tokenizer numbers roughly by frequency (docs/results/ measures what they cover). The
         rows are copied once (n x hidden values).
 
-        ``fused``: run the head's pass as two C calls (:class:`treespec.fused.FusedEagleLayer`:
+        ``fused``: run the head's pass as two C calls (:class:`treespec.target.fused.FusedEagleLayer`:
         ``fc``, then the decoder layer over the head's cache) instead of its modules. None (the
         default): where the head, the CPU and the backends allow (an EAGLE-1 head in bf16 on a
         CPU with treespec's kernels, linear and attention backends "auto" or treespec's),

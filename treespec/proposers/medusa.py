@@ -16,10 +16,10 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from treespec import linear
 from treespec.heads.fit import TargetShape
 from treespec.heads.medusa import MedusaHeads
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
+from treespec.target import linear
 from treespec.tree import (
     TokenTree,
     TreeShape,

@@ -38,10 +38,8 @@ from tqdm import tqdm
 from treespec import heads
 from treespec.api import generate
 from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel, StepThroughput
-from treespec.fused import describe_path
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
-from treespec.linear import LINEAR_BACKENDS
 from treespec.models import DEFAULT_MODEL, DTYPES, load
 from treespec.presets import (
     DRAFT_TREE,
@@ -64,6 +62,8 @@ from treespec.proposers import (
 )
 from treespec.sampling import SamplingParams
 from treespec.target import Target
+from treespec.target.fused import describe_path
+from treespec.target.linear import LINEAR_BACKENDS
 
 METHODS = ("none", "ngram", "draft", "medusa", "eagle", "hybrid")
 BASELINES = ("hf", "hf-pld", "hf-assisted")
@@ -89,7 +89,7 @@ class BenchConfig:
     warmup: int = 1
     device: str = "cpu"
     budget: str = "adaptive"  # "fixed": the proposers' own sizes (31 drafted nodes); "N": N nodes every step
-    linear_backend: str = "auto"  # treespec's target (treespec.linear); the HF baselines run natively
+    linear_backend: str = "auto"  # treespec's target (treespec.target.linear); the HF baselines run natively
     attention_backend: str = "auto"  # treespec's target, EAGLE heads and draft models; not the HF baselines
     draft_vocab: int = DRAFT_VOCAB  # EAGLE-1 / Medusa heads read out through the first N token ids (0: all)
     heads: tuple[tuple[str, str], ...] = ()  # (kind, folder or registered name): overrides the shipped heads

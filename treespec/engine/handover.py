@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from treespec.engine.requests import Request
+from treespec.engine.step_batch import StepBatch
 from treespec.proposers.base import Proposer
-from treespec.requests import Request
-from treespec.step_batch import StepBatch
 
 
 class HiddenHandover:

@@ -17,16 +17,16 @@ from dataclasses import replace
 
 import torch
 
-from treespec.cache import default_max_len
-from treespec.handover import HiddenHandover, committed_features
-from treespec.picking import TokenPicker
-from treespec.proposal_check import check_proposal, locate_problem
+from treespec.engine.handover import HiddenHandover, committed_features
+from treespec.engine.picking import TokenPicker
+from treespec.engine.proposal_check import check_proposal, locate_problem
+from treespec.engine.requests import EngineStats, Request, RequestOutput
+from treespec.engine.step_batch import StepBatch, StepReadback, read_back
+from treespec.engine.step_state import Step, StepPlan, StepTimer
 from treespec.proposers.base import ProposalRequest, Proposer, RequestResult, StepResult
-from treespec.requests import EngineStats, Request, RequestOutput
 from treespec.sampling import SamplingParams
-from treespec.step_batch import StepBatch, StepReadback, read_back
-from treespec.step_state import Step, StepPlan, StepTimer
 from treespec.target import Target
+from treespec.target.cache import default_max_len
 from treespec.tree import TokenTree
 
 TOKENIZE_HINT = (
@@ -236,7 +236,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One round: propose trees, score everything in one forward, verify, read back, commit,
-        advance. The device is read once, after verification (:func:`treespec.step_batch.read_back`).
+        advance. The device is read once, after verification (:func:`treespec.engine.step_batch.read_back`).
         The finished step is kept as ``last_step``."""
         timer = StepTimer(self.target.device)
         self._admit()

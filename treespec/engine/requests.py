@@ -11,7 +11,7 @@ import torch
 from treespec.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from treespec.step_state import StepTimes
+    from treespec.engine.step_state import StepTimes
 
 
 @dataclass

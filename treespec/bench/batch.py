@@ -1,8 +1,8 @@
 """Large-batch throughput of the engine, as the data stages use it: B requests (the training
 prompts, chat template applied) prefill together, then decode ``--new`` tokens each.
 
-    python scripts/bench_batch_decode.py [--batch 64] [--dtype bf16] [--new 40]
-    python scripts/bench_batch_decode.py --temperature 1 --top-p 0.95 --sampler inverse-cdf  # Magpie's
+    treespec bench batch [--batch 64] [--dtype bf16] [--new 40]
+    treespec bench batch --temperature 1 --top-p 0.95 --sampler inverse-cdf  # Magpie's
 
 Prints the prefill rate and the median decode step (tokens per second at that batch).
 """
@@ -24,8 +24,8 @@ from treespec.sampling import SamplingParams
 from treespec.target import Target
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--sampler", choices=["hf", "inverse-cdf"], default="hf",
                         help="the engine's sampler (the data stages use inverse-cdf)")  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sampling = SamplingParams(args.temperature, None, args.top_p)
     model, tokenizer = models.load(args.model, dtype=DTYPES[args.dtype])
     target = Target(model)

@@ -2,7 +2,7 @@
 tokens on a cached context, eager and compiled (inductor, one static shape per size), beside
 treespec's eager ``Target.forward`` (default backends), at batch 1.
 
-    python scripts/bench_compile.py [--sizes 1,16] [--out bench_results/bench_compile.json]
+    treespec bench compile [--sizes 1,16] [--out bench_results/bench_compile.json]
 
 Reports the compile time (the first call of each shape, which includes tracing and inductor's
 C++ build; cached across runs in inductor's cache folder) and the median ms per forward after it.
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-import treespec
 from treespec import models
 from treespec.models import DEFAULT_MODEL
+from treespec.target import Target
 
 
 def median_ms(run, repeats: int, setup=None) -> float:
@@ -35,21 +35,21 @@ def median_ms(run, repeats: int, setup=None) -> float:
 
 
 @torch.inference_mode()
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--sizes", default="1,16")
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("bench_results/bench_compile.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model, _ = models.load(args.model, dtype=torch.bfloat16)
     vocab = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, args.context), generator=generator)
     prefilled = model(input_ids=context, use_cache=True, logits_to_keep=1).past_key_values
     compiled = torch.compile(model, dynamic=False)
-    target = treespec.Target(model)
+    target = Target(model)
     cache = target.new_cache(1, args.context + 64)
     slots = torch.tensor([cache.allocate()])
     target.forward(context[0], cache, torch.tensor([0, args.context]), slots, return_hidden=False)

@@ -1,6 +1,6 @@
 """Speed of tree verification against one target forward over the same tree tokens.
 
-    python scripts/bench_verify.py [--batch 8] [--nodes 64] [--vocab 49152] [--repeats 20]
+    treespec bench verify [--batch 8] [--nodes 64] [--vocab 49152] [--repeats 20]
                                    [--model smollm2-135m-instruct | --no-target] [--out FILE.json]
 
 Times verify() in each mode (median of repeats) on random trees with distinct siblings, and,
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from treespec.models import DEFAULT_MODEL
+from treespec.models import DEFAULT_MODEL, load
 from treespec.sampling import SamplingParams
+from treespec.target import Target
 from treespec.tree import TokenTree
 from treespec.verify import verify
 
@@ -53,9 +54,6 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def target_forward_ms(model_name: str, tree: TokenTree, repeats: int) -> float:
-    from treespec.models import load
-    from treespec.target import Target
-
     model, _ = load(model_name, dtype=torch.bfloat16)
     target = Target(model)
     batch = tree.num_requests
@@ -72,9 +70,9 @@ def target_forward_ms(model_name: str, tree: TokenTree, repeats: int) -> float:
     return median_ms(forward, max(3, repeats // 4))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--nodes", type=int, default=64)
@@ -83,7 +81,7 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--no-target", action="store_true", help="skip timing the target forward")
     parser.add_argument("--out", default="bench_results/verify.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     gen = torch.Generator().manual_seed(0)
     tree = random_trees(args.batch, args.nodes, args.vocab, gen)

@@ -1,7 +1,7 @@
 """What one speculative step costs: the target's forward for n new tokens, HF's own forward over
 the same tokens, and each proposer's drafting time per tree size.
 
-    python scripts/bench_step.py [--device cuda] [--dtype bf16] [--model smollm2-135m-instruct]
+    treespec bench step [--device cuda] [--dtype bf16] [--model smollm2-135m-instruct]
                                  [--out bench_results/bench_step.json] [--quick]
 
 Batching: size n means n new tokens for *each* of the B requests (B * n rows in one forward), on
@@ -41,10 +41,15 @@ from pathlib import Path
 
 import torch
 
-import treespec
-from treespec.models import DEFAULT_MODEL, DTYPES
+from treespec import heads as head_registry
+from treespec.engine import Engine
+from treespec.models import DEFAULT_MODEL, DTYPES, load
 from treespec.presets import DRAFT_TREE, DRAFT_VOCAB, EAGLE_TREE, MEDUSA_TREE
+from treespec.prompts import BENCH_PROMPTS, encode_prompts
+from treespec.proposers import DraftModelProposer, EagleProposer, MedusaProposer, NgramProposer
 from treespec.proposers.base import Proposer, WrappingProposer
+from treespec.target import Target
+from treespec.target.linear import LINEAR_BACKENDS
 
 PROPOSERS = ("ngram", "draft", "medusa", "eagle")
 BATCHING = "per request: n new tokens (or drafted nodes) for each of the B requests, B * n in the step"
@@ -73,8 +78,6 @@ class StepBenchConfig:
             raise ValueError("--device cuda: CUDA is not available on this machine")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        from treespec.linear import LINEAR_BACKENDS
-
         if not self.linear_backends or any(b not in LINEAR_BACKENDS for b in self.linear_backends):
             raise ValueError(f"linear_backends must be from {LINEAR_BACKENDS}, got {self.linear_backends}")
         unknown = [p for p in self.proposers if p not in PROPOSERS]
@@ -126,7 +129,7 @@ def random_tokens(
 # --------------------------------------------------------------------------------------------
 
 
-def target_forward_ms(target: treespec.Target, batch: int, config: StepBenchConfig) -> dict[int, float]:
+def target_forward_ms(target: Target, batch: int, config: StepBenchConfig) -> dict[int, float]:
     """Size -> ms of ``Target.forward`` over ``batch`` chains of that many new tokens each."""
     generator = torch.Generator().manual_seed(config.seed)
     context, vocab = config.context, target.vocab_size
@@ -197,8 +200,6 @@ class TimedProposer(WrappingProposer):
 def make_proposer(kind: str, model, head, batch: int, budget: int, config: StepBenchConfig):
     """A fresh proposer drafting ``budget`` nodes per request, with ``treespec bench``'s settings
     (31 nodes at most; the heads' depth limits as there)."""
-    from treespec.proposers import DraftModelProposer, EagleProposer, MedusaProposer, NgramProposer
-
     if kind == "ngram":  # no settable budget: one proposer per size, as deep as the nodes allow
         return NgramProposer(max_depth=min(budget, 8), max_nodes=budget)
     linear = config.linear_backends[0]
@@ -226,7 +227,7 @@ def drafting_ms(target, proposer, prompts: list[list[int]], config: StepBenchCon
     timed = TimedProposer(proposer, config.device)
     calls = config.warmup + config.repeats
     max_new = 10 * calls + 8  # never reached: no request finishes (and is released) while timed
-    engine = treespec.Engine(target, max_batch_size=len(prompts), max_len=config.context + max_new,
+    engine = Engine(target, max_batch_size=len(prompts), max_len=config.context + max_new,
                              proposer=timed)  # fmt: skip
     for prompt in prompts:
         engine.add_request(prompt, max_new_tokens=max_new, eos_token_id=[])
@@ -246,7 +247,7 @@ def fit_prompt(prompt: list[int], length: int) -> list[int]:
 # --------------------------------------------------------------------------------------------
 
 
-def label(target: treespec.Target) -> str:
+def label(target: Target) -> str:
     """linear + attention backend, the pair that names a measured target."""
     return f"{target.linear_backend}+{target.attention_backend}"
 
@@ -262,7 +263,7 @@ def run(model, heads: dict, prompts: list[list[int]], config: StepBenchConfig, l
     head is missing is skipped and listed in ``skipped``. ``prompts``: token lists the proposer
     runs decode (cycled over the batch, fitted to ``config.context`` tokens)."""
     torch.manual_seed(config.seed)
-    targets = [treespec.Target(model, attention_backend=config.attention_backend, linear_backend=name)
+    targets = [Target(model, attention_backend=config.attention_backend, linear_backend=name)
                for name in config.linear_backends]  # fmt: skip
     target = targets[0]  # the proposers draft inside an engine on the first
     forward, propose, skipped = [], [], {}
@@ -376,9 +377,9 @@ def _csv(text: str) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in text.split(",") if part)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registered name or local HF folder")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -411,10 +412,6 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {**(QUICK if args.quick else {}), **given}
     config = replace(StepBenchConfig(device=args.device, dtype=args.dtype, draft_vocab=not args.full_readout),
                      **overrides)  # fmt: skip
-    from treespec import heads as head_registry
-    from treespec.models import load
-    from treespec.prompts import BENCH_PROMPTS, encode_prompts
-
     model, tokenizer = load(args.model, dtype=DTYPES[config.dtype], device=config.device)
     shipped = head_registry.shipped_for(args.model)
     heads = {kind: head_registry.load(name, dtype=model.dtype, device=config.device, target_model=model)

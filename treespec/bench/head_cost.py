@@ -3,7 +3,7 @@ forward over the tree it drafted and a single-token step: EAGLE-1 with a full an
 reduced 8,192-token read-out it is trained with, EAGLE-3 with its own 8,192-token one, at the
 31 and 8 drafted nodes the heads are measured at (treespec bench --budget fixed / 8).
 
-    python scripts/bench_head_cost.py [--model NAME] [--dtype bf16] [--new 24] [--repeats 3] [--out FILE.json]
+    treespec bench head-cost [--model NAME] [--dtype bf16] [--new 24] [--repeats 3] [--out FILE.json]
 
 Random heads, so every tree is full size: the cost measured is the worst case for each budget,
 and it does not depend on what a head learned. Each head variant runs through
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-import treespec
+from treespec.api import generate
 from treespec.heads import EagleConfig, EagleHead
 from treespec.models import DEFAULT_MODEL, DTYPES, load
 from treespec.prompts import DEFAULT_PROMPTS, encode_prompts
@@ -33,8 +33,8 @@ VARIANTS = {
 BUDGETS = [(8, 6, 31), (8, 6, 8)]  # (top_k, depth, total_tokens), as treespec bench drafts
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registered name or local HF folder")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--new", type=int, default=24)
@@ -55,14 +55,14 @@ def main(argv: list[str] | None = None) -> None:
             torch.nn.init.normal_(p, std=0.02)
         for top_k, depth, total in BUDGETS:
             proposer = EagleProposer(head, model, top_k=top_k, depth=depth, total_tokens=total)
-            runs = [treespec.generate(model, prompt, max_new_tokens=args.new, proposer=proposer).stats
+            runs = [generate(model, prompt, max_new_tokens=args.new, proposer=proposer).stats
                     for _ in range(args.repeats)]  # fmt: skip
             row = dict(head=name, top_k=top_k, depth=depth, total_tokens=total,
                        propose_ms=statistics.median(1e3 * s.propose_s / s.steps for s in runs),
                        forward_ms=statistics.median(1e3 * s.forward_s / s.steps for s in runs))  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
-    stats = treespec.generate(model, prompt, max_new_tokens=args.new).stats
+    stats = generate(model, prompt, max_new_tokens=args.new).stats
     single = 1e3 * stats.forward_s / stats.steps
     print(f"single-token step: {single:.1f} ms")
     args.out.parent.mkdir(parents=True, exist_ok=True)

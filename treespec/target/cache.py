@@ -18,12 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
+from treespec.presets import DEFAULT_MAX_LEN
+
 
 class CacheFullError(RuntimeError):
     """No free slot is left."""
-
-
-DEFAULT_MAX_LEN = 4096  # context tokens per request (prompt + output) when nobody says how many
 
 
 def default_max_len(model_context: int | None) -> int:

@@ -1,6 +1,6 @@
-"""The autoregressive engine benchmark (``scripts/bench_ar.py``): treespec without a proposer
+"""The autoregressive engine benchmark (``treespec bench ar``): treespec without a proposer
 against HF ``generate`` and a bare HF loop, over dtypes and batch sizes, in one process. (The
-``treespec bench`` command, every speculative method against HF, is ``treespec.benchmark``.)
+``treespec bench`` command, every speculative method against HF, is ``treespec.bench.e2e``.)
 
 Methods (all greedy, all producing exactly ``max_new_tokens`` tokens per prompt, EOS ignored):
     hf_generate   HF ``model.generate`` (SDPA attention, its own dynamic cache; left padding)
@@ -13,6 +13,7 @@ only, with prefill included in the time. Each treespec run is checked against HF
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -25,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from treespec.api import generate
-from treespec.benchmark import left_pad
+from treespec.bench.e2e import left_pad
 from treespec.models import DEFAULT_MODEL, DTYPES, load
 from treespec.prompts import DEFAULT_PROMPTS, encode_prompts
 from treespec.target import Target
@@ -176,3 +177,19 @@ def _format_case(case: dict) -> str:
         f"{case['speedup_vs_hf_generate']:.2f}x, / best baseline {case['speedup_vs_best_baseline']:.2f}x, "
         f"same tokens as hf_generate: {case['tokens_match_hf_generate']}"
     )
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description="the autoregressive engine against HF generate and "
+                                     "a bare HF greedy loop, per dtype and batch size")  # fmt: skip
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--batch-sizes", default="1,4")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="bench_results/ar.json")
+    args = parser.parse_args(argv)
+    config = ARBenchConfig(model=args.model, dtypes=tuple(args.dtypes.split(",")),
+                           batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
+                           max_new_tokens=args.max_new_tokens, repeats=args.repeats)  # fmt: skip
+    run_ar_bench(config, out_path=args.out)

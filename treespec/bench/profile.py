@@ -1,7 +1,7 @@
 """Where one target step's time goes: ``torch.profiler`` over ``Target.forward`` at batch 1 on a
 cached context, for each linear backend and each number of new tokens, grouped into kinds of work.
 
-    python scripts/profile_step.py [--sizes 1,16] [--linear-backends auto,fp32-kmajor]
+    treespec bench profile [--sizes 1,16] [--linear-backends auto,fp32-kmajor]
                                    [--out bench_results/profile_step.json]
 
 Each (backend, size) runs ``--warmup`` untimed forwards, then ``--repeats`` forwards under the
@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import treespec
 from treespec import models
+from treespec.kernels import cpu_kernels
 from treespec.models import DEFAULT_MODEL
+from treespec.target import Target
 
 GROUPS = (
     ("linear", ("treespec_linear", "linear_bf16", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
@@ -42,8 +43,6 @@ GROUPS = (
 def label_kernels() -> None:
     """treespec's CPU kernels are ctypes calls, invisible to the profiler: wrap each in a
     ``record_function`` so its time is its own (``treespec::...``), not Python's."""
-    from treespec.kernels import cpu_kernels
-
     for name, label in (("linear_many_unchecked", "treespec_linear"), ("linear_unchecked", "treespec_linear"),
                         ("tree_attention_bf16", "treespec::tree_attention")):  # fmt: skip
         inner = getattr(cpu_kernels, name)
@@ -63,7 +62,7 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def profile_forward(target: treespec.Target, size: int, context: int, repeats: int, warmup: int) -> dict:
+def profile_forward(target: Target, size: int, context: int, repeats: int, warmup: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     cache = target.new_cache(1, context + size)
     slots = [cache.allocate()]  # host lists, as the engine's step passes them
@@ -102,8 +101,8 @@ def profile_forward(target: treespec.Target, size: int, context: int, repeats: i
             "top_ops": [{"op": k, "ms": v, "calls": calls[k]} for k, v in top]}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--sizes", default="1,16", help="new tokens, comma list (default: %(default)s)")
     parser.add_argument("--linear-backends", default="auto,fp32-kmajor",
@@ -113,14 +112,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench_results/profile_step.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     label_kernels()
     model, _ = models.load(args.model, dtype=torch.bfloat16)
     sizes = [int(s) for s in args.sizes.split(",")]
     results = []
     for backend in args.linear_backends.split(","):
         attention = "auto" if backend in ("auto", "bf16-kernel") else "reference"
-        target = treespec.Target(model, linear_backend=backend, attention_backend=attention)
+        target = Target(model, linear_backend=backend, attention_backend=attention)
         for size in sizes:
             with torch.inference_mode():
                 row = profile_forward(target, size, args.context, args.repeats, args.warmup)

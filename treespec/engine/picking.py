@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from treespec.engine.requests import Request
 from treespec.processors import RowContexts, process, tree_paths
 from treespec.proposers.base import Proposer
-from treespec.requests import Request
 from treespec.sampling import SamplingParams, argmax, logits_to_probs, next_tokens, sample_from_uniforms
 from treespec.tree import TokenTree, host_structure
 from treespec.verify import MEDUSA_TYPICAL, verify

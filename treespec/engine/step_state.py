@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from treespec.requests import Request
-from treespec.step_batch import StepBatch, StepReadback
+from treespec.engine.requests import Request
+from treespec.engine.step_batch import StepBatch, StepReadback
 from treespec.tree import TokenTree
 
 STAGES = ("propose", "forward", "verify", "commit", "advance")

@@ -1,7 +1,7 @@
 """Which draft children are accepted more at temperature > 0: sampled (without replacement,
 verified by the sampled-children rule) or top-k (verified by the deterministic rule)?
 
-    python scripts/bench_draft_acceptance.py [--prompts 1000] [--temperature 1.0] [--out FILE.json]
+    treespec bench draft-acceptance [--prompts 1000] [--temperature 1.0] [--out FILE.json]
 
 No useful draft model exists yet for SmolLM2 (training it is a later issue), so this uses a tiny
 random target over a 32-token vocabulary and a perturbed copy of it as the draft (close, not
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import treespec
+from treespec.api import generate
 from treespec.proposers import DraftModelProposer
 from treespec.tree import chain, full_tree
 
@@ -38,22 +38,22 @@ def tiny_pair(vocab: int, noise: float) -> tuple[LlamaForCausalLM, LlamaForCausa
     return target, draft
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--prompts", type=int, default=1000)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--noise", type=float, default=0.5, help="draft = target + noise on its output layer")
     parser.add_argument("--out", default="bench_results/draft_acceptance.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     target, draft = tiny_pair(32, args.noise)
     results = []
     for name, shape in [("chain-3", chain(3)), ("binary-2", full_tree(2, 2)), ("ternary-2", full_tree(3, 2))]:
         for sample in (False, True):
             proposer = DraftModelProposer(draft, shape=shape, sample=sample, max_batch_size=args.prompts,
                                           max_len=32, generator=torch.Generator().manual_seed(1))  # fmt: skip
-            out = treespec.generate(target, [[1, 2, 3]] * args.prompts, max_new_tokens=12,
+            out = generate(target, [[1, 2, 3]] * args.prompts, max_new_tokens=12,
                                     temperature=args.temperature, proposer=proposer,
                                     generator=torch.Generator().manual_seed(2))  # fmt: skip
             rule = "sampled children" if sample else "top-k children"

@@ -3,7 +3,7 @@
 treespec registers its attention function under the name ``"treespec"`` in transformers'
 attention-function registry. The user's model is left as it was found: the :class:`Target` runs
 a *view* of it (new module objects over the same weight tensors, with their own copy of the
-config naming treespec's attention, and with the CPU linear backend of :mod:`treespec.linear`),
+config naming treespec's attention, and with the CPU linear backend of :mod:`treespec.target.linear`),
 which goes when the Target goes. The per-step metadata (:class:`StepMetadata`: cache, slots,
 lengths, bitmask) travels as the keyword argument ``treespec_step`` of the view's forward, which
 transformers hands unchanged to every attention call. Nothing is set on any module per step.
@@ -25,9 +25,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from treespec import linear
-from treespec.cache import KVCache
-from treespec.fused import FusedDecoder, env_refusal, fused_refusal, say_once
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import (
     AttentionPlan,
@@ -41,6 +38,9 @@ from treespec.kernels.tree_attention import (
     tree_attention_triton,
     triton_layout_refusal,
 )
+from treespec.target import linear
+from treespec.target.cache import KVCache
+from treespec.target.fused import FusedDecoder, env_refusal, fused_refusal, say_once
 
 ATTENTION_NAME = "treespec"
 STEP_KWARG = "treespec_step"
@@ -254,7 +254,7 @@ def _check_causal_lm(model: object) -> None:
 
 def _treespec_view(model: PreTrainedModel, linear_backend: str) -> PreTrainedModel:
     """The model as treespec runs it, leaving ``model`` untouched: a module view sharing its
-    weights (:func:`treespec.linear.module_view`), in eval mode, whose modules read a copy of the
+    weights (:func:`treespec.target.linear.module_view`), in eval mode, whose modules read a copy of the
     config that names treespec's attention function. Sub-configs (a text config inside a
     multimodal one) are copied with it, and every module of the view points at the copies."""
     view = linear.module_view(model, linear_backend)
@@ -298,7 +298,7 @@ class Target:
         "triton", "reference" or "cpu"; a forced backend that cannot run here raises at once.
         ``linear_backend``: "auto" (on a CPU "bf16-kernel" for a bf16 model where treespec's
         kernel builds, else "fp32-kmajor"; "native" elsewhere), "native" (the model's own
-        layers), "fp32-kmajor" or "bf16-kernel" (:mod:`treespec.linear`).
+        layers), "fp32-kmajor" or "bf16-kernel" (:mod:`treespec.target.linear`).
 
         ``batch_invariant``: score every row with the bits it would get alone, so that at T=0 a
         speculative run gives exactly the tokens of an autoregressive one in bf16 too (not only
@@ -308,7 +308,7 @@ class Target:
         (it costs a single-token step nothing, see docs/architecture.md); True: required, and a
         model or backend that cannot have it is refused with the reason; False: off.
 
-        ``fused``: run the decoder stack as one C call per step (:mod:`treespec.fused`), which
+        ``fused``: run the decoder stack as one C call per step (:mod:`treespec.target.fused`), which
         takes batch invariance. None (the default): wherever it serves the model, else the
         modules, saying why once; True: required (refused with the reason); False: off.
         :attr:`path` names what runs."""

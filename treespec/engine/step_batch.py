@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treespec.requests import Request
+from treespec.engine.requests import Request
 from treespec.tree import TokenTree, chain_mask
 from treespec.verify import parse_readback
 

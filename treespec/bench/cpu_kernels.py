@@ -1,6 +1,6 @@
 """treespec's CPU kernels against the machine's limits, and where a fused step's time goes.
 
-    python scripts/bench_cpu_kernels.py [--rows 1,2,4,8,16,32,64,128] [--model smollm2-135m-instruct]
+    treespec bench cpu-kernels [--rows 1,2,4,8,16,32,64,128] [--model smollm2-135m-instruct]
                                         [--sizes 1,8,16,32] [--out bench_results/cpu_kernels.json]
 
 Prints, on each instruction road this CPU has (``avx2``, ``avx512bf16``):
@@ -114,15 +114,15 @@ def bench_fused(model_name: str, sizes: list[int], context: int, repeats: int) -
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--sizes", default="1,8,16,32", help="new tokens of the fused step ('' to skip)")
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path("bench_results/cpu_kernels.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not cpu_kernels.available():
         raise SystemExit(f"treespec's CPU kernels are unavailable here: {cpu_kernels.unavailable_reason()}")
     rows = [int(r) for r in args.rows.split(",")]

@@ -1,0 +1,58 @@
+"""Every `treespec` subcommand, the benchmark suites included, refuses a bad flag value by name
+with exit code 2, before it loads anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from treespec import cli
+
+BAD = {
+    ("models", "list"): (["--bogus"], "--bogus"),
+    ("models", "pull"): (["no-such-model"], "no-such-model"),
+    ("models", "path"): (["no-such-model"], "no-such-model"),
+    ("bench",): (["--max-new-tokens", "many"], "--max-new-tokens"),
+    ("train-heads", "data"): (["--dtype", "fp8"], "--dtype"),
+    ("train-heads", "prompts"): (["--corpus", "c", "--count", "many"], "--count"),
+    ("train-heads", "answers"): (["--corpus", "c", "--answer-tokens", "many"], "--answer-tokens"),
+    ("train-heads", "features"): (
+        ["--corpus", "c", "--out", "o", "--batch-tokens", "many"],
+        "--batch-tokens",
+    ),
+    ("train-heads", "train"): (
+        ["--kind", "eagle", "--data", "d", "--out", "o", "--precision", "fp8"],
+        "--precision",
+    ),
+}
+SUITE_FLAGS = {
+    "step": "--context",
+    "batch": "--batch",
+    "verify": "--nodes",
+    "ar": "--max-new-tokens",
+    "head-cost": "--new",
+    "cpu-kernels": "--repeats",
+    "compile": "--repeats",
+    "draft-acceptance": "--prompts",
+    "profile": "--repeats",
+}
+BAD |= {("bench", suite): ([flag, "many"], flag) for suite, flag in SUITE_FLAGS.items()}
+
+
+def test_every_subcommand_and_suite_is_covered():
+    parser = cli.build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # argparse keeps them there
+    subcommands = {("bench",)} | {("bench", s) for s in cli.BENCH_SUITES}
+    for name, sub in commands.items():
+        if name == "bench":
+            continue
+        stages = sub._subparsers._group_actions[0].choices
+        subcommands |= {(name, stage) for stage in stages}
+    assert subcommands == set(BAD)
+
+
+@pytest.mark.parametrize("command", sorted(BAD), ids=" ".join)
+def test_a_bad_flag_value_is_refused_by_name(command, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TREESPEC_HOME", str(tmp_path))  # nothing pulled: no model could load
+    argv, named = BAD[command]
+    assert cli.main([*command, *argv]) == 2
+    assert named in capsys.readouterr().err

@@ -35,6 +35,7 @@ from treespec.heads.eagle import EagleHead
 from treespec.heads.fit import TargetShape
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import cpu_rows, resolve_backend
+from treespec.presets import EAGLE_TREE
 from treespec.processors import process_draft
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
 from treespec.target import StepMetadata, linear
@@ -68,9 +69,9 @@ class EagleProposer(Proposer):
         head: EagleHead,
         target_model: PreTrainedModel,
         *,
-        depth: int = 5,
-        top_k: int = 8,
-        total_tokens: int = 31,
+        depth: int = EAGLE_TREE["depth"],
+        top_k: int = EAGLE_TREE["top_k"],
+        total_tokens: int = EAGLE_TREE["total_tokens"],
         max_batch_size: int = 8,
         max_len: int | None = None,
         attention_backend: str = "auto",

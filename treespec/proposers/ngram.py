@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from treespec.presets import NGRAM_TREE
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult
 from treespec.tree import NO_PARENT, TokenTree
 
@@ -123,8 +124,8 @@ class NgramProposer(Proposer):
         *,
         max_ngram: int = 3,
         min_ngram: int = 1,
-        max_depth: int = 8,
-        max_nodes: int = 32,
+        max_depth: int = NGRAM_TREE["max_depth"],
+        max_nodes: int = NGRAM_TREE["max_nodes"],
         max_matches: int = 8,
         tree: bool = True,
         token_cost: float = 0.0,

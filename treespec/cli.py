@@ -234,6 +234,14 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     option("budget", metavar="adaptive|fixed|N",
            help="tree size per step: chosen from measured costs and acceptance (adaptive), the "
            "proposers' own 31 nodes (fixed), or N drafted nodes every step (1 to 31)")  # fmt: skip
+    _add_bench_backend_options(option)
+    _add_bench_output_options(bench, option)
+    option("device", choices=["cpu", "cuda"], help="where the models run")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    bench.set_defaults(handler=_bench)
+
+
+def _add_bench_backend_options(option: Callable[..., None]) -> None:
     option("linear_backend", choices=LINEAR_BACKENDS,
            help="treespec's linear layers: auto = bf16-kernel for a bf16 model on a CPU with AVX2, "
            "else fp32-kmajor on a CPU, native elsewhere")  # fmt: skip
@@ -241,6 +249,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
            help="treespec's tree attention (target, EAGLE heads, draft models; not the HF baselines): "
            "auto = triton on CUDA, else the PyTorch reference (or treespec's batch-invariant cpu "
            "kernel for a bf16 model with both backends auto); reference is the fallback that runs anywhere")  # fmt: skip
+
+
+def _add_bench_output_options(bench: argparse.ArgumentParser, option: Callable[..., None]) -> None:
     bench.add_argument("--json", default="bench_results/bench.json", help="report path")
     bench.add_argument("--plot", default=None, metavar="PNG",
                        help="speedup per category and accepted-length histograms (default: the JSON's path with "
@@ -255,9 +266,6 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--heads", action="append", default=[], metavar="KIND=PATH",
                        help="use this head folder for eagle, medusa or draft instead of the shipped one; "
                        "repeatable (default: the heads shipped for the model)")  # fmt: skip
-    option("device", choices=["cpu", "cuda"], help="where the models run")
-    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    bench.set_defaults(handler=_bench)
 
 
 def _kind_path(text: str) -> tuple[str, str]:
@@ -307,11 +315,27 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser(
         "train-heads",
         help="self-distil training data from a target, then train EAGLE / Medusa heads or a draft model",
-        description="Two stages: 'data' (the target answers prompts; shards of tokens and hidden states) "
-        "and 'train' (one kind of head on that data). Both resume where they stopped.",
+        description="At scale: 'prompts' (the target writes its own user prompts), 'answers' (it "
+        "answers them), 'features' (its hidden states over the answers); small: 'data' (the three at "
+        "once, for a few hundred prompts); then 'train' (one kind of head on the features). Every "
+        "stage resumes where it stopped.",
     )
     stages = train.add_subparsers(dest="stage", metavar="STAGE", required=True)
     stages.add_parser = functools.partial(stages.add_parser, formatter_class=_DefaultsFormatter)  # type: ignore[method-assign]
+    for add_stage in (
+        _add_data_stage,
+        _add_prompts_stage,
+        _add_answers_stage,
+        _add_features_stage,
+        _add_train_stage,
+    ):
+        add_stage(stages)
+
+
+CORPUS_HELP = "corpus folder: prompts.jsonl, answers.jsonl, state.json (resumed when it exists)"
+
+
+def _add_data_stage(stages: argparse._SubParsersAction) -> None:
     data = stages.add_parser("data", help="generate the self-distilled data set")
     _model_option(data)
     data.add_argument("--out", required=True, help="data folder (resumed when it exists)")
@@ -325,12 +349,13 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     _dtype_option(data, "fp32", help="the target's dtype while it answers")
     data.set_defaults(handler=_train_heads_data)
 
-    corpus_help = "corpus folder: prompts.jsonl, answers.jsonl, state.json (resumed when it exists)"
+
+def _add_prompts_stage(stages: argparse._SubParsersAction) -> None:
     prompts = stages.add_parser(
         "prompts", help="at scale: the target writes its own user prompts (Magpie), plus the built-in ones"
     )
     _model_option(prompts)
-    prompts.add_argument("--corpus", required=True, help=corpus_help)
+    prompts.add_argument("--corpus", required=True, help=CORPUS_HELP)
     option = functools.partial(_config_option, prompts, MAGPIE_CONFIG)
     option("count", type=int, help="prompts in all")
     option("batch_size", type=int, help="requests decoding at once")
@@ -352,9 +377,11 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_store_args(prompts)
     prompts.set_defaults(handler=_train_heads_prompts)
 
+
+def _add_answers_stage(stages: argparse._SubParsersAction) -> None:
     answers = stages.add_parser("answers", help="at scale: the target answers the corpus's prompts")
     _model_option(answers)
-    answers.add_argument("--corpus", required=True, help=corpus_help)
+    answers.add_argument("--corpus", required=True, help=CORPUS_HELP)
     option = functools.partial(_config_option, answers, ANSWER_CONFIG)
     option("max_new_tokens", type=int)
     option("batch_size", type=int)
@@ -373,6 +400,8 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_store_args(answers)
     answers.set_defaults(handler=_train_heads_answers)
 
+
+def _add_features_stage(stages: argparse._SubParsersAction) -> None:
     feats = stages.add_parser(
         "features", help="at scale: hidden states of the corpus's answered sequences, at prefill speed"
     )
@@ -391,6 +420,8 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_store_args(feats)
     feats.set_defaults(handler=_train_heads_features)
 
+
+def _add_train_stage(stages: argparse._SubParsersAction) -> None:
     fit = stages.add_parser("train", help="train one kind of head on a data folder")
     fit.add_argument("--kind", required=True, choices=["eagle", "eagle3", "medusa", "draft"])
     _model_option(fit)
@@ -501,18 +532,23 @@ def _train_heads_prompts(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _train_heads_answers(args: argparse.Namespace) -> int:
+def _answer_follow_ups(model, tokenizer, corpus: str, config, follow_ups, written) -> dict:
+    """The target writes follow-up questions to a share of the answered prompts, then answers
+    every follow-up not answered yet; returns the answers' summary."""
     from dataclasses import replace
     from pathlib import Path
 
-    from treespec.heads.training.corpus import (
-        PROMPTS,
-        AnswerConfig,
-        MagpieConfig,
-        read_records,
-        synthesize_follow_ups,
-        write_answers,
-    )
+    from treespec.heads.training.corpus import PROMPTS, read_records, synthesize_follow_ups, write_answers
+
+    added = synthesize_follow_ups(model, tokenizer, corpus, follow_ups, on_written=written)
+    pending = [r["id"] for r in read_records(Path(corpus) / PROMPTS) if r.get("source") == "follow-up"]
+    print(f"{corpus}: {len(added)} follow-up prompts added; answering the unanswered of {len(pending)}")
+    return write_answers(model, tokenizer, corpus, replace(config, answer_tokens=None), only=pending,
+                         on_written=written)  # fmt: skip
+
+
+def _train_heads_answers(args: argparse.Namespace) -> int:
+    from treespec.heads.training.corpus import AnswerConfig, MagpieConfig, write_answers
 
     model, tokenizer = models.load(args.model, dtype=models.DTYPES[args.dtype])
     config = AnswerConfig(**_config_values(args, ANSWER_CONFIG))
@@ -522,23 +558,7 @@ def _train_heads_answers(args: argparse.Namespace) -> int:
     follow_ups = MagpieConfig(**{k: v for k, v in _config_values(args, MAGPIE_CONFIG).items()
                                  if k in ("batch_size", "seed", "follow_up_share")})  # fmt: skip
     if follow_ups.follow_up_share > 0:
-        added = synthesize_follow_ups(
-            model, tokenizer, args.corpus, follow_ups,
-            on_written=written,
-        )  # fmt: skip
-        records = read_records(Path(args.corpus) / PROMPTS)
-        pending = [r["id"] for r in records if r.get("source") == "follow-up"]
-        print(
-            f"{args.corpus}: {len(added)} follow-up prompts added; answering the unanswered of {len(pending)}"
-        )
-        summary = write_answers(
-            model,
-            tokenizer,
-            args.corpus,
-            replace(config, answer_tokens=None),
-            only=pending,
-            on_written=written,
-        )
+        summary = _answer_follow_ups(model, tokenizer, args.corpus, config, follow_ups, written)
     if store is not None:
         store.flush()
     print(json.dumps(summary, indent=1))

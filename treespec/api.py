@@ -173,13 +173,7 @@ def generate(
     per_prompt = _sampling_per_prompt(sampling, len(prompts), temperature, top_k, top_p, processors)
     stop = _stop_criteria(stop_strings, tokenizer)
     eos = _default_eos(target.model) if eos_token_id is None else eos_token_id
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    if target.max_context is not None and longest > target.max_context:
-        raise ValueError(
-            f"prompt + max_new_tokens = {longest} tokens exceeds the model's context of {target.max_context}"
-        )
+    longest = _longest_context(target, prompts, max_new_tokens)
     if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
         raise ValueError(f"max_batch_size must be an int >= 1 or None, got {max_batch_size!r}")
     batch_size = min(len(prompts), max_batch_size or DEFAULT_MAX_BATCH)
@@ -188,31 +182,42 @@ def generate(
             raise ValueError(f'proposer must be a Proposer, None or "auto", got {proposer!r}')
         proposer = auto_proposer(target.model, batch_size=batch_size, target=target, max_len=longest)
     start = time.perf_counter()
-    engine = Engine(
-        target,
-        max_batch_size=batch_size,
-        max_len=longest,
-        prefill_chunk_size=prefill_chunk_size,
-        generator=generator,
-        proposer=proposer,
-        sampler=sampler,
-    )
+    engine = Engine(target, max_batch_size=batch_size, max_len=longest, prefill_chunk_size=prefill_chunk_size,
+                    generator=generator, proposer=proposer, sampler=sampler)  # fmt: skip
     ids = [
         engine.add_request(p, max_new_tokens=max_new_tokens, eos_token_id=eos, sampling=params, stop=stop)
         for p, params in zip(prompts, per_prompt, strict=True)
     ]
+    _run(engine, streamer, prompts[0])
+    sequences = [engine.pop(i).output for i in ids]
+    return GenerationOutput(
+        sequences, GenerationStats.from_engine(ids, engine.stats, time.perf_counter() - start)
+    )
+
+
+def _longest_context(target: Target, prompts: list[list[int]], max_new_tokens: int) -> int:
+    """The longest prompt plus ``max_new_tokens``, checked against the model's context."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    if target.max_context is not None and longest > target.max_context:
+        raise ValueError(
+            f"prompt + max_new_tokens = {longest} tokens exceeds the model's context of {target.max_context}"
+        )
+    return longest
+
+
+def _run(engine: Engine, streamer, first_prompt: list[int]) -> None:
+    """Step the engine until every request has finished, streaming (HF's ``put`` then ``end``)
+    the single prompt's tokens when a streamer is given."""
     if streamer is not None:
-        streamer.put(torch.tensor([prompts[0]]))
+        streamer.put(torch.tensor([first_prompt]))
     while engine.has_unfinished():
         for produced in engine.step():
             if streamer is not None:
                 streamer.put(torch.tensor(produced.new_tokens))
     if streamer is not None:
         streamer.end()
-    sequences = [engine.pop(i).output for i in ids]
-    return GenerationOutput(
-        sequences, GenerationStats.from_engine(ids, engine.stats, time.perf_counter() - start)
-    )
 
 
 PROCESSOR_FIELDS = (

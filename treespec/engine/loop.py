@@ -61,28 +61,9 @@ class Engine:
         ``debug`` (default: the environment variable ``TREESPEC_DEBUG=1``) runs the full,
         host-side check of every proposed tree and of verification's inputs each step; without
         it a step runs one cheap tensor check of what a proposer returned."""
-        if prefill_chunk_size is not None and (
-            not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1
-        ):
-            raise ValueError(f"prefill_chunk_size must be an int >= 1 or None, got {prefill_chunk_size!r}")
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        _check_engine_args(target, max_batch_size, prefill_chunk_size, generator, proposer, sampler)
         if max_len is None:
             max_len = default_max_len(target.max_context)
-        if proposer is not None and not isinstance(proposer, Proposer):
-            raise TypeError(f"proposer must be a treespec.proposers.Proposer, got {type(proposer).__name__}")
-        if proposer is not None and proposer.vocab_size not in (None, target.vocab_size):
-            raise ValueError(
-                f"the draft's vocabulary ({proposer.vocab_size} tokens) differs from the target's "
-                f"({target.vocab_size}); a draft model must share the target's tokenizer"
-            )
-        if sampler not in ("hf", "inverse-cdf"):
-            raise ValueError(f"sampler must be 'hf' or 'inverse-cdf', got {sampler!r}")
-        if generator is not None and generator.device.type != target.device.type:
-            raise ValueError(
-                f"the generator is on {generator.device} but the model on {target.device}: every step "
-                f"draws its randomness on the model's device (torch.Generator(device={str(target.device)!r}))"
-            )
         self.target = target
         self.proposer = proposer
         self.wants_hidden = proposer is not None and proposer.needs_hidden
@@ -98,7 +79,7 @@ class Engine:
             raise ValueError(
                 f"requests may need {max_len} context tokens, but {type(proposer).__name__} holds "
                 f"{proposer.max_context} per request: build the proposer (its head or draft model) with max_len={max_len}"
-            )
+            )  # fmt: skip
         self.max_len = max_len
         self.cache = target.new_cache(self.max_running, max_len + self.max_tree_nodes)
         self.prefill_chunk_size = prefill_chunk_size
@@ -412,6 +393,35 @@ class Engine:
                 if self.proposer is not None:
                     self.proposer.release(request.request_id)
         self._running = [r for r in self._running if not r.finished]
+
+
+def _check_engine_args(
+    target: Target,
+    max_batch_size: int,
+    prefill_chunk_size: int | None,
+    generator: torch.Generator | None,
+    proposer: Proposer | None,
+    sampler: str,
+) -> None:
+    """Refuse, by name, what an Engine cannot run with."""
+    if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
+        raise ValueError(f"prefill_chunk_size must be an int >= 1 or None, got {prefill_chunk_size!r}")
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+    if proposer is not None and not isinstance(proposer, Proposer):
+        raise TypeError(f"proposer must be a treespec.proposers.Proposer, got {type(proposer).__name__}")
+    if proposer is not None and proposer.vocab_size not in (None, target.vocab_size):
+        raise ValueError(
+            f"the draft's vocabulary ({proposer.vocab_size} tokens) differs from the target's "
+            f"({target.vocab_size}); a draft model must share the target's tokenizer"
+        )
+    if sampler not in ("hf", "inverse-cdf"):
+        raise ValueError(f"sampler must be 'hf' or 'inverse-cdf', got {sampler!r}")
+    if generator is not None and generator.device.type != target.device.type:
+        raise ValueError(
+            f"the generator is on {generator.device} but the model on {target.device}: every step "
+            f"draws its randomness on the model's device (torch.Generator(device={str(target.device)!r}))"
+        )
 
 
 def _cut(hidden: torch.Tensor | None, kept: list[int]) -> torch.Tensor | None:

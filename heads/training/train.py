@@ -407,7 +407,6 @@ def train(
     """Train one kind; returns (and writes to out_dir/report.json) the report."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rank, world = _distributed()
     if config.kind == "eagle3" and not data.has_features:
         raise ValueError(
             f"{data.folder} holds no EAGLE-3 features (three-layer inputs): write them with "
@@ -418,102 +417,149 @@ def train(
     sequences = data.sequences()
     if config.data_tokens is not None:
         sequences = token_subset(sequences, config.data_tokens)
-    module = build_module(config, target, data, sequences)
-    optimizer = torch.optim.AdamW(
-        trainable(module), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
-    )
-    # Every epoch packs its own shuffled order, so epochs may differ by a batch: plan them all
-    # up front (each rank the same number of batches) and keep the position within the epoch.
-    plan = []
-    for epoch in range(config.epochs):
-        batches = make_batches(sequences, config, epoch)
-        plan.append(batches[: len(batches) // world * world][rank::world])
-    if not plan or not plan[0]:
-        raise ValueError(f"the data makes fewer batches than there are processes ({world})")
-    total_steps = sum(len(b) for b in plan)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total_steps))
-    # what the plan was made from: a resume on other data would index other batches
-    planned = {"sequences": len(sequences), "positions": sum(len(s.tokens) for s in sequences),
-               "batch_tokens": config.batch_tokens, "max_seq_len": config.max_seq_len,
-               "epochs": config.epochs, "seed": config.seed, "world": world}  # fmt: skip
-    state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "planned": planned}
+    loop = _Loop(config, target, sequences, build_module(config, target, data, sequences), out_dir)
     if resume and (out_dir / CHECKPOINT).is_file():
-        state = load_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler)
-        if state.get("planned", planned) != planned:
-            raise ValueError(
-                f"{out_dir / CHECKPOINT} was trained on other data or another plan ({state['planned']}); "
-                f"this run has {planned}. Resume with the same data and options, or use a new --out folder"
-            )
-    loss_fn = LOSSES[config.kind]
-    start = time.perf_counter()
-    before = state.get("train_s", 0.0)  # seconds trained by the runs this one resumes
-
-    def checkpoint() -> None:
-        state["train_s"] = before + time.perf_counter() - start
-        save_checkpoint(out_dir / CHECKPOINT, config, module, optimizer, scheduler, state)
-
-    bar = tqdm(
-        total=total_steps, initial=state["step"], desc=f"train {config.kind}", disable=not progress or rank
-    )
-    stopped = False
-    while state["epoch"] < config.epochs and not stopped:
-        epoch = state["epoch"]
-        batches = plan[epoch]
-        losses = []
-        module.train()
-        while state["batch"] < len(batches):
-            batch = batches[state["batch"]]
-            with _autocast(config, target):
-                loss = loss_fn(module, target, [sequences[i] for i in batch], config)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if world > 1:
-                _average_gradients(module, world)
-            torch.nn.utils.clip_grad_norm_(trainable(module), config.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            state["step"] += 1
-            state["batch"] += 1
-            losses.append(loss.item())
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-            if rank == 0 and config.checkpoint_every and state["step"] % config.checkpoint_every == 0:
-                checkpoint()
-            if max_steps is not None and state["step"] >= max_steps:
-                stopped = True
-                break
-        if state["batch"] < len(batches):
-            break  # stopped inside the epoch: no evaluation, the checkpoint resumes at this batch
-        state["epoch"] += 1
-        state["batch"] = 0
-        record = {"epoch": epoch + 1, "steps": state["step"], "mean_loss": sum(losses) / max(len(losses), 1)}
-        if rank == 0 and eval_prompts:
-            record.update(evaluate(config, module, target, eval_prompts))
-        state["history"].append(record)
-        if rank == 0:
-            checkpoint()
-            tqdm.write(json.dumps(record))
-    bar.close()
-    if rank == 0 and stopped:
-        checkpoint()
-    # wall_s: every run's training time up to its last checkpoint, then this run's to the end (a
-    # run cut between checkpoints redoes, and counts, the steps it lost)
-    this_run = time.perf_counter() - start
-    report = {"config": asdict(config), "steps": state["step"], "epochs_done": state["epoch"],
-              "history": state["history"], "wall_s": before + this_run, "wall_s_this_run": this_run,
-              "data_tokens": sum(len(s.tokens) for s in sequences), "data_sequences": len(sequences),
-              "answer_tokens": sum(len(s.tokens) - s.prompt_len for s in sequences),
-              "trainable_params": sum(p.numel() for p in trainable(module)),
-              # equal on every rank of a data-parallel run (each step averages the gradients)
-              "weights_checksum": float(sum(p.detach().double().sum() for p in trainable(module)))}  # fmt: skip
-    if rank == 0:
-        save_module(config, module, out_dir / "head")
+        loop.resume()
+    stopped = loop.run(eval_prompts, max_steps, progress)
+    if loop.rank == 0 and stopped:
+        loop.checkpoint()
+    report = loop.report()
+    if loop.rank == 0:
+        save_module(config, loop.module, out_dir / "head")
         (out_dir / "report.json").write_text(json.dumps(report, indent=2))
     return report
 
 
-def _autocast(config: TrainConfig, target: PreTrainedModel) -> torch.autocast:
-    return torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
+class _Loop:
+    """One training run: the module, its optimizer and schedule, the plan of every epoch's
+    batches, and the state a checkpoint keeps (step, epoch, batch within it, history, seconds
+    trained by the runs this one resumes)."""
+
+    def __init__(self, config: TrainConfig, target: PreTrainedModel, sequences: list[Sequence], module: nn.Module,
+                 out_dir: Path) -> None:  # fmt: skip
+        self.config, self.target, self.sequences, self.module, self.out_dir = (
+            config,
+            target,
+            sequences,
+            module,
+            out_dir,
+        )
+        self.rank, self.world = _distributed()
+        self.optimizer = torch.optim.AdamW(
+            trainable(module), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
+        )
+        # Every epoch packs its own shuffled order, so epochs may differ by a batch: plan them all
+        # up front (each rank the same number of batches) and keep the position within the epoch.
+        self.plan = []
+        for epoch in range(config.epochs):
+            batches = make_batches(sequences, config, epoch)
+            self.plan.append(batches[: len(batches) // self.world * self.world][self.rank :: self.world])
+        if not self.plan or not self.plan[0]:
+            raise ValueError(f"the data makes fewer batches than there are processes ({self.world})")
+        self.total_steps = sum(len(b) for b in self.plan)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(config, self.total_steps)
+        )
+        # what the plan was made from: a resume on other data would index other batches
+        self.planned = {"sequences": len(sequences), "positions": sum(len(s.tokens) for s in sequences),
+                        "batch_tokens": config.batch_tokens, "max_seq_len": config.max_seq_len,
+                        "epochs": config.epochs, "seed": config.seed, "world": self.world}  # fmt: skip
+        self.state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "planned": self.planned}
+        self.start = time.perf_counter()
+        self.before = 0.0  # seconds trained by the runs this one resumes
+
+    def resume(self) -> None:
+        path = self.out_dir / CHECKPOINT
+        self.state = load_checkpoint(path, self.config, self.module, self.optimizer, self.scheduler)
+        if self.state.get("planned", self.planned) != self.planned:
+            raise ValueError(
+                f"{path} was trained on other data or another plan ({self.state['planned']}); "
+                f"this run has {self.planned}. Resume with the same data and options, or use a new --out folder"
+            )
+        self.before = self.state.get("train_s", 0.0)
+
+    def checkpoint(self) -> None:
+        self.state["train_s"] = self.before + time.perf_counter() - self.start
+        save_checkpoint(self.out_dir / CHECKPOINT, self.config, self.module, self.optimizer, self.scheduler,
+                        self.state)  # fmt: skip
+
+    def run(self, eval_prompts: list[list[int]] | None, max_steps: int | None, progress: bool) -> bool:
+        """Every planned batch not trained yet, epoch by epoch; True when ``max_steps`` stopped it."""
+        state = self.state
+        self.bar = tqdm(total=self.total_steps, initial=state["step"], desc=f"train {self.config.kind}",
+                        disable=not progress or self.rank)  # fmt: skip
+        try:
+            while state["epoch"] < self.config.epochs:
+                losses = self._epoch(max_steps)
+                if state["batch"] < len(self.plan[state["epoch"]]):
+                    return True  # stopped inside the epoch: the checkpoint resumes at this batch
+                self._end_epoch(losses, eval_prompts)
+            return False
+        finally:
+            self.bar.close()
+
+    def _epoch(self, max_steps: int | None) -> list[float]:
+        """The current epoch's batches from where it stands; their losses."""
+        state, batches, losses = self.state, self.plan[self.state["epoch"]], []
+        self.module.train()
+        while state["batch"] < len(batches):
+            losses.append(self._step(batches[state["batch"]]))
+            if (
+                self.rank == 0
+                and self.config.checkpoint_every
+                and state["step"] % self.config.checkpoint_every == 0
+            ):
+                self.checkpoint()
+            if max_steps is not None and state["step"] >= max_steps:
+                break
+        return losses
+
+    def _step(self, batch: list[int]) -> float:
+        with _autocast(self.config, self.target):
+            loss = LOSSES[self.config.kind](
+                self.module, self.target, [self.sequences[i] for i in batch], self.config
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.world > 1:
+            _average_gradients(self.module, self.world)
+        torch.nn.utils.clip_grad_norm_(trainable(self.module), self.config.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.state["step"] += 1
+        self.state["batch"] += 1
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
+        return loss.item()
+
+    def _end_epoch(self, losses: list[float], eval_prompts: list[list[int]] | None) -> None:
+        state = self.state
+        state["epoch"] += 1
+        state["batch"] = 0
+        record = {
+            "epoch": state["epoch"],
+            "steps": state["step"],
+            "mean_loss": sum(losses) / max(len(losses), 1),
+        }
+        if self.rank == 0 and eval_prompts:
+            record.update(evaluate(self.config, self.module, self.target, eval_prompts))
+        state["history"].append(record)
+        if self.rank == 0:
+            self.checkpoint()
+            tqdm.write(json.dumps(record))
+
+    def report(self) -> dict:
+        # wall_s: every run's training time up to its last checkpoint, then this run's to the end
+        # (a run cut between checkpoints redoes, and counts, the steps it lost)
+        this_run = time.perf_counter() - self.start
+        module, sequences = self.module, self.sequences
+        return {"config": asdict(self.config), "steps": self.state["step"], "epochs_done": self.state["epoch"],
+                "history": self.state["history"], "wall_s": self.before + this_run, "wall_s_this_run": this_run,
+                "data_tokens": sum(len(s.tokens) for s in sequences), "data_sequences": len(sequences),
+                "answer_tokens": sum(len(s.tokens) - s.prompt_len for s in sequences),
+                "trainable_params": sum(p.numel() for p in trainable(module)),
+                # equal on every rank of a data-parallel run (each step averages the gradients)
+                "weights_checksum": float(sum(p.detach().double().sum() for p in trainable(module)))}  # fmt: skip
 
 
 def save_module(config: TrainConfig, module: nn.Module, folder: Path) -> Path:
@@ -522,6 +568,10 @@ def save_module(config: TrainConfig, module: nn.Module, folder: Path) -> Path:
     bf16 = type(module)(module.config)
     bf16.load_state_dict(module.state_dict())
     return bf16.to(torch.bfloat16).save(folder)
+
+
+def _autocast(config: TrainConfig, target: PreTrainedModel) -> torch.autocast:
+    return torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
 
 
 def proposer_for(config: TrainConfig, module: nn.Module, target: PreTrainedModel):

@@ -357,27 +357,13 @@ def first_divergence(
 
 def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
     torch.manual_seed(config.seed)
-    pairs = read_prompt_records(config.prompts) if config.prompts else list(BENCH_PROMPTS)
-    if config.per_category is not None:
-        taken: Counter = Counter()
-        pairs = [p for p in pairs if (taken.update([p[0]]) or taken[p[0]] <= config.per_category)]
-    if config.num_prompts is not None:
-        pairs = pairs[: config.num_prompts]
-    if not pairs:
-        raise ValueError("no prompts to run")
+    pairs = _select_prompts(config)
     log(f"loading {config.model} ({config.dtype}, {config.device})")
     components = Components(config)
     needs_batch_one = [b for b in config.baselines if b in ("hf-pld", "hf-assisted")]
     baselines = [b for b in config.baselines if not (config.batch_size > 1 and b in needs_batch_one)]
     skipped = {b: "HF supports it at batch size 1 only" for b in config.baselines if b not in baselines}
-    kinds = sorted({"draft"} & set(baselines) | {k for m in config.methods for k in _HEADS_OF[m]})
-    if kinds:
-        given = dict(config.heads)
-        log("loading heads: " + ", ".join(f"{k} ({given.get(k, 'shipped')})" for k in kinds))
-    if "hf-assisted" in baselines:
-        components.head("draft", for_what="hf-assisted")  # fail early, naming what is missing
-    for method in config.methods:
-        components.proposer(method)  # fail early on a missing head; measures the cost curve once
+    _load_everything_first(config, components, baselines, log)
     order = [*baselines, *config.methods]
     encoded = encode_prompts(components.tokenizer, [text for _, text in pairs])
     batches = category_batches([c for c, _ in pairs], config.batch_size)
@@ -386,8 +372,53 @@ def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
     ):
         for method in order:
             run_method(components, method, [encoded[0][:64]], config.seed)
-    results: dict[str, list[dict]] = defaultdict(list)
     log(f"{len(pairs)} prompts, {config.max_new_tokens} new tokens each, {len(order)} methods")
+    results = _run_batches(config, components, order, encoded, batches)
+    report = summarise(config, components, pairs, encoded, results, order)
+    report["skipped_baselines"] = skipped
+    report["batch_sizes_run"] = dict(sorted(Counter(len(b) for b in batches).items()))  # size -> batches
+    report |= _setting(config, components)
+    log(format_report(report, verbose=config.verbose))
+    if config.json:
+        Path(config.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(config.json).write_text(json.dumps(report, indent=2))
+        log(f"wrote {config.json}")
+    if config.plot:
+        plot(report, config.plot)
+        log(f"wrote {config.plot}")
+    return report
+
+
+def _select_prompts(config: BenchConfig) -> list[tuple[str, str]]:
+    """(category, text) of the prompts the run takes: the first ``per_category`` of each
+    category, then the first ``num_prompts``."""
+    pairs = read_prompt_records(config.prompts) if config.prompts else list(BENCH_PROMPTS)
+    if config.per_category is not None:
+        taken: Counter = Counter()
+        pairs = [p for p in pairs if (taken.update([p[0]]) or taken[p[0]] <= config.per_category)]
+    if config.num_prompts is not None:
+        pairs = pairs[: config.num_prompts]
+    if not pairs:
+        raise ValueError("no prompts to run")
+    return pairs
+
+
+def _load_everything_first(config: BenchConfig, components: Components, baselines: list[str], log) -> None:
+    """Every head and proposer the run needs, before any timing: a missing one fails here by name,
+    and the adaptive budget measures its cost curve once."""
+    kinds = sorted({"draft"} & set(baselines) | {k for m in config.methods for k in _HEADS_OF[m]})
+    if kinds:
+        given = dict(config.heads)
+        log("loading heads: " + ", ".join(f"{k} ({given.get(k, 'shipped')})" for k in kinds))
+    if "hf-assisted" in baselines:
+        components.head("draft", for_what="hf-assisted")
+    for method in config.methods:
+        components.proposer(method)
+
+
+def _run_batches(config, components, order: list[str], encoded, batches) -> dict[str, list[dict]]:
+    """Every batch through every method in turn (interleaved, so drift hits all alike)."""
+    results: dict[str, list[dict]] = defaultdict(list)
     bar = tqdm(total=len(batches) * len(order), desc="bench", unit="run")
     for b, members in enumerate(batches):
         prompts = [encoded[i] for i in members]
@@ -398,30 +429,23 @@ def run(config: BenchConfig, log: Callable[[str], None] = print) -> dict:
             results[method].append(result)
             bar.update(1)
     bar.close()
-    report = summarise(config, components, pairs, encoded, results, order)
-    report["skipped_baselines"] = skipped
-    report["batch_sizes_run"] = dict(sorted(Counter(len(b) for b in batches).items()))  # size -> batches
-    report["machine"] = {"platform": platform.platform(), "torch": torch.__version__,
-                         "threads": torch.get_num_threads(), "device": config.device}  # fmt: skip
+    return results
+
+
+def _setting(config: BenchConfig, components: Components) -> dict:
+    """What the numbers were measured on: machine, the target's backends and path, the cost curve."""
     target = components.target
-    report["target"] = {"attention_backend": target.attention_backend, "linear_backend": target.linear_backend,
-                        "batch_invariant": target.batch_invariant, "path": target.path,
-                        "path_reason": target.path_reason,
-                        "cpu_isa": cpu_kernels.isa() if cpu_kernels.available() else None}  # fmt: skip
+    setting = {
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "device": config.device},
+        "target": {"attention_backend": target.attention_backend, "linear_backend": target.linear_backend,
+                   "batch_invariant": target.batch_invariant, "path": target.path, "path_reason": target.path_reason,
+                   "cpu_isa": cpu_kernels.isa() if cpu_kernels.available() else None},
+    }  # fmt: skip
     if components.cost_model is not None:
-        report["forward_cost_ms"] = {
-            n: 1e3 * s
-            for n, s in zip(components.cost_model.sizes, components.cost_model.seconds, strict=True)
-        }
-    log(format_report(report, verbose=config.verbose))
-    if config.json:
-        Path(config.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.json).write_text(json.dumps(report, indent=2))
-        log(f"wrote {config.json}")
-    if config.plot:
-        plot(report, config.plot)
-        log(f"wrote {config.plot}")
-    return report
+        cost = components.cost_model
+        setting["forward_cost_ms"] = {n: 1e3 * s for n, s in zip(cost.sizes, cost.seconds, strict=True)}
+    return setting
 
 
 _HEADS_OF = {"none": (), "ngram": (), "draft": ("draft",), "medusa": ("medusa",), "eagle": ("eagle",),
@@ -454,55 +478,14 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
         seconds = sum(r["seconds"] for r in runs)
         tokens = new * sum(len(r["prompts"]) for r in runs)
         entry: dict = {"name": name, "kind": "baseline" if name in BASELINES else "treespec",
-                       "tokens_per_s": tokens / seconds}  # fmt: skip
-        per_cat = {}
-        for category in categories:
-            members = [r for r in runs if pairs[r["prompts"][0]][0] == category]
-            if members:
-                per_cat[category] = {
-                    "tokens_per_s": new
-                    * sum(len(r["prompts"]) for r in members)
-                    / sum(r["seconds"] for r in members)
-                }
-                lengths = [n for r in members for n in r.get("accepted_lengths", [])]
-                if lengths:  # treespec methods: tokens committed per decoding step, bonus included
-                    per_cat[category]["tau"] = statistics.fmean(lengths)
-                elif "target_forwards" in members[0]:
-                    per_cat[category]["tau"] = _hf_tau(members, new)
-        entry["per_category"] = per_cat
+                       "tokens_per_s": tokens / seconds,
+                       "per_category": _per_category(runs, pairs, categories, new)}  # fmt: skip
         if "steps" in runs[0]:
-            lengths = [n for r in runs for n in r["accepted_lengths"]]
-            steps = sum(r["steps"] for r in runs)
-            entry["mean_accepted_tokens"] = statistics.fmean(lengths) if lengths else 1.0
-            entry["accepted_length_histogram"] = dict(sorted(Counter(lengths).items()))
-            stages = {
-                k: sum(r["stages_s"][k] for r in runs) for k in ("propose", "score", "verify", "commit")
-            }
-            stages["other"] = max(0.0, seconds - sum(stages.values()))
-            entry["stage_ms"] = {k: 1e3 * v / max(steps, 1) for k, v in stages.items()}
-            entry["steps"] = steps  # target forwards, prefill included
-            entry["decode_steps"] = len(lengths)
-            # per request and decoding step: the tree size the budget settled on
-            entry["mean_drafted_nodes"] = sum(r["drafted_nodes"] for r in runs) / max(len(lengths), 1)
-            entry["drafting"] = runs[0].get(
-                "drafting", {}
-            )  # what ran each drafter: fused, or modules and why
+            entry |= _step_counts(runs, seconds)
         elif "target_forwards" in runs[0]:  # HF: the tokens after the prefill's over the forwards after it
             entry["mean_accepted_tokens"] = _hf_tau(runs, new)
         if config.temperature == 0:
-            identical, mismatches = 0, []
-            for r in runs:
-                for i, toks in zip(r["prompts"], r["tokens"], strict=True):
-                    if toks == reference[i]:
-                        identical += 1
-                    else:
-                        where = first_divergence(components, encoded[i], toks, reference[i], gaps, params)
-                        near_tie = where["top2_logit_gap"] <= config.near_tie_gap
-                        mismatches.append({"prompt": i, **where, "near_tie": near_tie})
-            ties = sum(m["near_tie"] for m in mismatches)
-            entry["identical_to_reference"] = identical / len(pairs)
-            entry["identity"] = {"exact": identical, "near_tie": ties, "diverged": len(mismatches) - ties}
-            entry["mismatches"] = mismatches
+            entry |= _identity(config, components, runs, reference, encoded, gaps, params, len(pairs))
         else:
             entry["identical_to_reference"] = None  # sampling: the same distribution, not the same tokens
         methods.append(entry)
@@ -510,6 +493,61 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
         _speedups(methods, base)
     return {"config": {k: v for k, v in asdict(config).items()}, "categories": categories, "methods": methods,
             "prompts": len(pairs), "near_tie_gap": config.near_tie_gap}  # fmt: skip
+
+
+def _per_category(runs: list[dict], pairs, categories: list[str], new: int) -> dict:
+    """Per category: tokens/s, and tau where the method drafts (treespec's committed tokens per
+    decoding step, bonus included; HF's tokens per forward after the prefill)."""
+    per_cat = {}
+    for category in categories:
+        members = [r for r in runs if pairs[r["prompts"][0]][0] == category]
+        if not members:
+            continue
+        seconds = sum(r["seconds"] for r in members)
+        per_cat[category] = {"tokens_per_s": new * sum(len(r["prompts"]) for r in members) / seconds}
+        lengths = [n for r in members for n in r.get("accepted_lengths", [])]
+        if lengths:
+            per_cat[category]["tau"] = statistics.fmean(lengths)
+        elif "target_forwards" in members[0]:
+            per_cat[category]["tau"] = _hf_tau(members, new)
+    return per_cat
+
+
+def _step_counts(runs: list[dict], seconds: float) -> dict:
+    """A treespec method's steps: tau, the accepted lengths, the stage times per step, the
+    drafted nodes per request and step, and what ran each drafter."""
+    lengths = [n for r in runs for n in r["accepted_lengths"]]
+    steps = sum(r["steps"] for r in runs)
+    stages = {k: sum(r["stages_s"][k] for r in runs) for k in ("propose", "score", "verify", "commit")}
+    stages["other"] = max(0.0, seconds - sum(stages.values()))
+    return {
+        "mean_accepted_tokens": statistics.fmean(lengths) if lengths else 1.0,
+        "accepted_length_histogram": dict(sorted(Counter(lengths).items())),
+        "stage_ms": {k: 1e3 * v / max(steps, 1) for k, v in stages.items()},
+        "steps": steps,  # target forwards, prefill included
+        "decode_steps": len(lengths),
+        # per request and decoding step: the tree size the budget settled on
+        "mean_drafted_nodes": sum(r["drafted_nodes"] for r in runs) / max(len(lengths), 1),
+        "drafting": runs[0].get("drafting", {}),  # what ran each drafter: fused, or modules and why
+    }
+
+
+def _identity(config, components, runs, reference, encoded, gaps, params, num_prompts: int) -> dict:
+    """Greedy: how many outputs equal plain decoding's, and where each other one first differs
+    (a rounding near-tie or a real divergence)."""
+    identical, mismatches = 0, []
+    for r in runs:
+        for i, toks in zip(r["prompts"], r["tokens"], strict=True):
+            if toks == reference[i]:
+                identical += 1
+                continue
+            where = first_divergence(components, encoded[i], toks, reference[i], gaps, params)
+            mismatches.append(
+                {"prompt": i, **where, "near_tie": where["top2_logit_gap"] <= config.near_tie_gap}
+            )
+    ties = sum(m["near_tie"] for m in mismatches)
+    return {"identical_to_reference": identical / num_prompts, "mismatches": mismatches,
+            "identity": {"exact": identical, "near_tie": ties, "diverged": len(mismatches) - ties}}  # fmt: skip
 
 
 # What every method's speed is set against, where it ran: HF generate, and treespec's own plain
@@ -558,28 +596,44 @@ def format_report(report: dict, verbose: bool = False) -> str:
                         f"batch-invariant {'yes' if t['batch_invariant'] else 'no'}, "
                         f"decoder {_path_line(t)}")  # fmt: skip
     for m in report["methods"]:
-        identity = m.get("identity")
-        same, tie, diff = (
-            (identity["exact"], identity["near_tie"], identity["diverged"]) if identity else "---"
-        )
-        tau = f"{m['mean_accepted_tokens']:.2f}" if "mean_accepted_tokens" in m else "-"
-        nodes = f"{m['mean_drafted_nodes']:.1f}" if "mean_drafted_nodes" in m else "-"
-        speed, plain = (f"{m[k]:.2f}x" if k in m else "-" for k in ("speedup_vs_hf", "speedup_vs_none"))
-        stages = " ".join(f"{v:6.1f}" for v in m["stage_ms"].values()) if "stage_ms" in m else ""
-        hist = " ".join(f"{k}:{v}" for k, v in m.get("accepted_length_histogram", {}).items())
-        lines.append(f"{m['name']:<12} {m['tokens_per_s']:7.1f} {speed:>6} {plain:>7} {tau:>5} {nodes:>5} {same:>4} "
-                     f"{tie:>3} {diff:>4}  {stages}  {hist}")  # fmt: skip
-        for mismatch in m.get("mismatches", []) if verbose else []:
-            kind = "near-tie" if mismatch.get("near_tie") else "REAL DIVERGENCE"
-            lines.append(f"    prompt {mismatch['prompt']}: first differs at token {mismatch['position']} "
-                         f"({mismatch['got']} vs {mismatch['reference']}); target's top-2 logit gap there "
-                         f"{mismatch['top2_logit_gap']:.4f}: {kind}")  # fmt: skip
+        lines.append(_method_row(m))
+        lines += _mismatch_lines(m) if verbose else []
     paths = [f"{m['name']}: " + ", ".join(f"{k} {v}" for k, v in m["drafting"].items())
              for m in report["methods"] if m.get("drafting")]  # fmt: skip
     if paths:
         lines.append("drafting through: " + "; ".join(paths))
     lines.append(legend(report))
-    cats = report["categories"]
+    lines += _per_category_lines(report)
+    if prompts is not None and gap is not None:
+        lines.append(summary_line(report))
+    return "\n".join(lines)
+
+
+def _method_row(m: dict) -> str:
+    identity = m.get("identity")
+    same, tie, diff = (identity["exact"], identity["near_tie"], identity["diverged"]) if identity else "---"
+    tau = f"{m['mean_accepted_tokens']:.2f}" if "mean_accepted_tokens" in m else "-"
+    nodes = f"{m['mean_drafted_nodes']:.1f}" if "mean_drafted_nodes" in m else "-"
+    speed, plain = (f"{m[k]:.2f}x" if k in m else "-" for k in ("speedup_vs_hf", "speedup_vs_none"))
+    stages = " ".join(f"{v:6.1f}" for v in m["stage_ms"].values()) if "stage_ms" in m else ""
+    hist = " ".join(f"{k}:{v}" for k, v in m.get("accepted_length_histogram", {}).items())
+    return (f"{m['name']:<12} {m['tokens_per_s']:7.1f} {speed:>6} {plain:>7} {tau:>5} {nodes:>5} {same:>4} "
+            f"{tie:>3} {diff:>4}  {stages}  {hist}")  # fmt: skip
+
+
+def _mismatch_lines(m: dict) -> list[str]:
+    lines = []
+    for mismatch in m.get("mismatches", []):
+        kind = "near-tie" if mismatch.get("near_tie") else "REAL DIVERGENCE"
+        lines.append(f"    prompt {mismatch['prompt']}: first differs at token {mismatch['position']} "
+                     f"({mismatch['got']} vs {mismatch['reference']}); target's top-2 logit gap there "
+                     f"{mismatch['top2_logit_gap']:.4f}: {kind}")  # fmt: skip
+    return lines
+
+
+def _per_category_lines(report: dict) -> list[str]:
+    """Speedups against each base, then tau, per category."""
+    lines, cats = [], report["categories"]
     for base in SPEEDUP_BASES:
         rows = [m for m in report["methods"] if f"speedup_vs_{base}" in m]
         if rows:
@@ -590,19 +644,16 @@ def format_report(report: dict, verbose: bool = False) -> str:
                 + " ".join(f"{m['per_category'][c][f'speedup_vs_{base}']:5.2f}x" for c in cats)
             )
     taus = [  # not none and hf: one token per step by definition
-        m
-        for m in report["methods"]
+        m for m in report["methods"]
         if m["name"] not in ("none", "hf") and all("tau" in m["per_category"].get(c, {}) for c in cats)
-    ]
+    ]  # fmt: skip
     if taus:
         lines.append("tau (tokens per step) per category: " + ", ".join(cats))
         for m in taus:
             lines.append(
                 f"  {m['name']:<12} " + " ".join(f"{m['per_category'][c]['tau']:5.2f} " for c in cats)
             )
-    if prompts is not None and gap is not None:
-        lines.append(summary_line(report))
-    return "\n".join(lines)
+    return lines
 
 
 def legend(report: dict) -> str:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,58 +45,76 @@ class StepBatch:
         trees: TokenTree | None,
         device: torch.device,
     ) -> StepBatch:
-        tree_sizes = trees.sizes() if trees is not None else []  # the host's, from the proposer
-        tree_cu = trees.cu_list() if trees is not None else [0]
-        prompt_tokens, prompt_depth, pieces = [], [], []  # pieces: (kind, start, stop) in running order
-        prefill_rows, tree_rows, final, accepted, cu = [], [], set(), {}, [0]
-        b = 0
-        for request in running:
-            start = cu[-1]
-            if request.request_id in chunks:
-                chunk = chunks[request.request_id]
-                pieces.append(("prompt", len(prompt_tokens), len(prompt_tokens) + len(chunk)))
-                prompt_tokens += chunk
-                prompt_depth += range(len(chunk))
-                accepted[request.request_id] = range(len(chunk))
-                if request.num_prefilled + len(chunk) == len(request.prompt):
-                    final.add(request.request_id)
-                    prefill_rows.append(start + len(chunk) - 1)
-                cu.append(start + len(chunk))
-            else:
-                pieces.append(("tree", tree_cu[b], tree_cu[b + 1]))
-                tree_rows += range(start, start + tree_sizes[b])
-                cu.append(start + tree_sizes[b])
-                b += 1
-        logit_rows = prefill_rows + tree_rows
+        layout = _Layout.of(running, chunks, trees)
         # The step's host data reaches the device in one copy: prompt tokens, their depths, logit rows.
-        host = torch.tensor(prompt_tokens + prompt_depth + logit_rows, dtype=torch.long).to(device)
-        prompt_t, prompt_d, rows_t = host.split([len(prompt_tokens), len(prompt_depth), len(logit_rows)])
-        if not prompt_tokens:  # decoding only: the trees are the step
+        logit_rows = layout.prefill_rows + layout.tree_rows
+        host = torch.tensor(layout.prompt_tokens + layout.prompt_depth + logit_rows, dtype=torch.long).to(
+            device
+        )
+        prompt_t, prompt_d, rows_t = host.split(
+            [len(layout.prompt_tokens), len(layout.prompt_depth), len(logit_rows)]
+        )
+        tree_sizes = trees.sizes() if trees is not None else []
+        has_branches = trees is not None and max(tree_sizes, default=1) > 1
+        if not layout.prompt_tokens:  # decoding only: the trees are the step
             tokens, depth = trees.tokens, trees.depth
-            mask = trees.tree_mask if max(tree_sizes, default=1) > 1 else None
+            mask = trees.tree_mask if has_branches else None
         else:
             sources = {"prompt": (prompt_t, prompt_d), "tree": (trees.tokens, trees.depth) if trees else None}
-            tokens = torch.cat([sources[kind][0][i:j] for kind, i, j in pieces])
-            depth = torch.cat([sources[kind][1][i:j] for kind, i, j in pieces])
-            mask = None
-            if trees is not None and max(tree_sizes, default=1) > 1:
-                masks = [
-                    chain_mask(j - i, device) if kind == "prompt" else trees.tree_mask[i:j]
-                    for kind, i, j in pieces
-                ]
-                width = max(m.shape[1] for m in masks)
-                mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
-        return cls(
-            tokens,
-            depth,
-            mask,
-            rows_t,
-            len(prefill_rows),
-            cu,
-            {r: len(c) for r, c in chunks.items()},
-            accepted,
-            final,
-        )
+            tokens = torch.cat([sources[kind][0][i:j] for kind, i, j in layout.pieces])
+            depth = torch.cat([sources[kind][1][i:j] for kind, i, j in layout.pieces])
+            mask = _mixed_mask(layout.pieces, trees, device) if has_branches else None
+        return cls(tokens, depth, mask, rows_t, len(layout.prefill_rows), layout.cu,
+                   {r: len(c) for r, c in chunks.items()}, layout.accepted, layout.final)  # fmt: skip
+
+
+@dataclass
+class _Layout:
+    """Where each request's rows lie in the step, worked out on the host: its piece (prompt chunk
+    or tree, with its span in the prompt tokens or the trees' nodes), the rows that need logits,
+    and what prefill keeps."""
+
+    prompt_tokens: list[int] = field(default_factory=list)
+    prompt_depth: list[int] = field(default_factory=list)
+    pieces: list[tuple[str, int, int]] = field(default_factory=list)  # (kind, start, stop), running order
+    prefill_rows: list[int] = field(default_factory=list)
+    tree_rows: list[int] = field(default_factory=list)
+    final: set[int] = field(default_factory=set)
+    accepted: dict[int, range] = field(default_factory=dict)
+    cu: list[int] = field(default_factory=lambda: [0])
+
+    @classmethod
+    def of(cls, running: list[Request], chunks: dict[int, list[int]], trees: TokenTree | None) -> _Layout:
+        tree_sizes = trees.sizes() if trees is not None else []  # the host's, from the proposer
+        tree_cu = trees.cu_list() if trees is not None else [0]
+        layout, b = cls(), 0
+        for request in running:
+            start = layout.cu[-1]
+            if request.request_id in chunks:
+                chunk = chunks[request.request_id]
+                layout.pieces.append(
+                    ("prompt", len(layout.prompt_tokens), len(layout.prompt_tokens) + len(chunk))
+                )
+                layout.prompt_tokens += chunk
+                layout.prompt_depth += range(len(chunk))
+                layout.accepted[request.request_id] = range(len(chunk))
+                if request.num_prefilled + len(chunk) == len(request.prompt):
+                    layout.final.add(request.request_id)
+                    layout.prefill_rows.append(start + len(chunk) - 1)
+                layout.cu.append(start + len(chunk))
+            else:
+                layout.pieces.append(("tree", tree_cu[b], tree_cu[b + 1]))
+                layout.tree_rows += range(start, start + tree_sizes[b])
+                layout.cu.append(start + tree_sizes[b])
+                b += 1
+        return layout
+
+
+def _mixed_mask(pieces: list[tuple[str, int, int]], trees: TokenTree, device: torch.device) -> torch.Tensor:
+    """The ancestor bitmask of a step holding prompt chunks (causal chains) beside trees."""
+    masks = [chain_mask(j - i, device) if kind == "prompt" else trees.tree_mask[i:j] for kind, i, j in pieces]
+    width = max(m.shape[1] for m in masks)
+    return torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
 
 
 @dataclass(frozen=True)

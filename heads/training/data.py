@@ -212,8 +212,8 @@ class HeadDataset:
     def _read(self, name: str) -> Iterator[Sequence]:
         path = self.folder / name
         try:
-            t = load_file(str(path))
-        except (SafetensorError, OSError) as exc:
+            t = mapped_tensors(path)
+        except (SafetensorError, OSError, ValueError) as exc:
             raise ValueError(
                 f"{path} cannot be read ({exc}); the shard is corrupt or truncated: delete it and "
                 "its entry in manifest.json, then run the data stage again to rewrite it"
@@ -230,6 +230,39 @@ class HeadDataset:
                 t["tokens"][a:b].long(), int(t["prompt_lens"][s]), t["hidden"][a:b],
                 None if features is None else features[a:b],
             )  # fmt: skip
+
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+                      "I32": torch.int32, "I16": torch.int16, "U16": torch.uint16, "U8": torch.uint8}  # fmt: skip
+
+
+def mapped_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors as views of the file mapped into memory (private, read on
+    touch): a data folder larger than the machine's memory trains on the sequences it picks
+    without reading the others. Falls back to reading the file where a tensor is not aligned to
+    its element size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if not 0 < length <= size - 8:
+            raise ValueError(f"header of {length} bytes in a file of {size}")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    start = 8 + length
+    if any(start + e["data_offsets"][1] > size for e in header.values()):
+        raise ValueError(f"the header describes more data than the file's {size} bytes hold")
+    dtypes = {name: SAFETENSORS_DTYPES.get(e["dtype"]) for name, e in header.items()}
+    aligned = all(d is not None and (start + e["data_offsets"][0]) % d.itemsize == 0
+                  for d, e in zip(dtypes.values(), header.values(), strict=True))  # fmt: skip
+    if not aligned:
+        return load_file(str(path))
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    tensors = {}
+    for name, entry in header.items():
+        dtype = dtypes[name]
+        offset = (start + entry["data_offsets"][0]) // dtype.itemsize
+        tensors[name] = torch.empty(0, dtype=dtype).set_(storage, offset, tuple(entry["shape"]))
+    return tensors
 
 
 # --------------------------------------------------------------------------------------------

@@ -93,37 +93,54 @@ def process(logits: torch.Tensor, rows: RowContexts) -> torch.Tensor:
 
 
 def _process_rows(scores: torch.Tensor, rows: RowContexts, active: list[int]) -> torch.Tensor:
-    device, vocab = scores.device, scores.shape[-1]
     requests = [rows.row_request[i] for i in active]
     params = [rows.params[b] for b in requests]
-    paths = [list(rows.paths[i]) for i in active]
     contexts = [
-        _Context(rows.sequences[b], rows.prompt_lens[b], path)
-        for b, path in zip(requests, paths, strict=True)
+        _Context(rows.sequences[b], rows.prompt_lens[b], list(rows.paths[i]))
+        for b, i in zip(requests, active, strict=True)
     ]
-    neg_inf = float("-inf")
+    _add_logit_bias(scores, params)
+    _penalise(scores, params, contexts)
+    banned = _bans(params, contexts, requests, rows.eos)
+    if banned:
+        r, t = zip(*banned, strict=True)
+        scores[_long(r, scores.device), _long(t, scores.device)] = float("-inf")
+    return scores
 
+
+def _add_logit_bias(scores: torch.Tensor, params: list[SamplingParams]) -> None:
     bias = [(r, t, v) for r, p in enumerate(params) for t, v in p.logit_bias]
     if bias:
         r, t, v = zip(*bias, strict=True)
+        device = scores.device
         scores.index_put_(
             (_long(r, device), _long(t, device)), torch.tensor(v, device=device), accumulate=True
         )
 
+
+def _penalise(scores: torch.Tensor, params: list[SamplingParams], contexts: list[_Context]) -> None:
+    """HF's repetition penalty (every token of prompt and output, once, whatever its count), then
+    vLLM's frequency and presence penalties (the output's counts only), in vLLM's order."""
+    device, vocab = scores.device, scores.shape[-1]
     penalised = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0]
-    if penalised:  # HF: every token of prompt and output, once, whatever its count
+    if penalised:
         seen = _counts(contexts, penalised, vocab, device, whole=True) > 0
         penalty = torch.tensor([params[r].repetition_penalty for r in penalised], device=device)[:, None]
         sub = scores[penalised]
         scores[penalised] = torch.where(seen, torch.where(sub < 0, sub * penalty, sub / penalty), sub)
-
     additive = [r for r, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
-    if additive:  # vLLM / OpenAI: the output's counts only
+    if additive:
         counts = _counts(contexts, additive, vocab, device, whole=False)
         frequency = torch.tensor([params[r].frequency_penalty for r in additive], device=device)[:, None]
         presence = torch.tensor([params[r].presence_penalty for r in additive], device=device)[:, None]
-        scores[additive] = scores[additive] - frequency * counts - presence * (counts > 0)  # vLLM's order
+        scores[additive] = scores[additive] - frequency * counts - presence * (counts > 0)
 
+
+def _bans(
+    params: list[SamplingParams], contexts: list[_Context], requests: list[int], eos_ids
+) -> list[tuple[int, int]]:
+    """(row, token) pairs no row may pick: repeated n-grams, bad words completed, EOS before
+    min_new_tokens, suppressed tokens (at the first new token too, the begin-suppressed)."""
     banned: list[tuple[int, int]] = []
     tables: dict[int, dict] = {}  # per request: its committed sequence's n-grams, built once
     for r, (p, context) in enumerate(zip(params, contexts, strict=True)):
@@ -131,22 +148,18 @@ def _process_rows(scores: torch.Tensor, rows: RowContexts, active: list[int]) ->
             if requests[r] not in tables:
                 tables[requests[r]] = ngrams(context.sequence, p.no_repeat_ngram_size)
             banned += [(r, t) for t in context.ngram_bans(p.no_repeat_ngram_size, tables[requests[r]])]
-        eos = rows.eos[requests[r]]
+        eos = eos_ids[requests[r]]
         for word in p.bad_words_ids:
             if len(word) == 1 and word[0] in eos:
                 continue  # HF drops single-token bad words that are an EOS id
             if context.ends_with(word[:-1]):
                 banned.append((r, word[-1]))
-        new = context.new_tokens
-        if new < p.min_new_tokens:
+        if context.new_tokens < p.min_new_tokens:
             banned += [(r, t) for t in eos]
         banned += [(r, t) for t in p.suppress_tokens]
-        if new == 0:
+        if context.new_tokens == 0:
             banned += [(r, t) for t in p.begin_suppress_tokens]
-    if banned:
-        r, t = zip(*banned, strict=True)
-        scores[_long(r, device), _long(t, device)] = neg_inf
-    return scores
+    return banned
 
 
 def _long(values, device) -> torch.Tensor:

@@ -312,18 +312,7 @@ def synthesize_prompts(
         texts, tokens = _sample_round(target, tokenizer, prefix, stops, config, magpie["rounds"])
         sampled_tokens += tokens
         dropped = Counter(magpie["dropped"])
-        fresh = []
-        for text, finished in texts:
-            reason = "unfinished" if not finished else config.filter.reason_to_drop(text)
-            if reason is None and not seen.add(text):
-                reason = "duplicate"
-            if reason is not None:
-                dropped[reason] += 1
-                continue
-            index = len(records) + len(fresh)
-            fresh.append({"id": index, "source": "magpie",
-                          "split": "dev" if _share(index, config.seed + 2) < config.dev_share else "train",
-                          "messages": [{"role": "user", "content": text}]})  # fmt: skip
+        fresh = _keep(texts, seen, config, first_id=len(records), dropped=dropped)
         fresh = fresh[: config.count - len(records)]
         _append(prompts_path, fresh)
         records += fresh
@@ -338,6 +327,26 @@ def synthesize_prompts(
                         kept=f"{magpie['kept'] / max(magpie['sampled'], 1):.0%}")  # fmt: skip
     bar.close()
     return state
+
+
+def _keep(
+    texts: list[tuple[str, bool]], seen, config: MagpieConfig, first_id: int, dropped: Counter
+) -> list[dict]:
+    """The prompt records of a round's sampled turns that pass the filter and are new (ids from
+    ``first_id``; a share marked dev); each dropped one counted under its reason."""
+    fresh = []
+    for text, finished in texts:
+        reason = "unfinished" if not finished else config.filter.reason_to_drop(text)
+        if reason is None and not seen.add(text):
+            reason = "duplicate"
+        if reason is not None:
+            dropped[reason] += 1
+            continue
+        index = first_id + len(fresh)
+        fresh.append({"id": index, "source": "magpie",
+                      "split": "dev" if _share(index, config.seed + 2) < config.dev_share else "train",
+                      "messages": [{"role": "user", "content": text}]})  # fmt: skip
+    return fresh
 
 
 def _sample_round(target, tokenizer, prefix, stops, config: MagpieConfig, round_index: int):
@@ -402,6 +411,17 @@ def _run(target, prompts, samplings, max_new_tokens, stops, batch_size, generato
     return results
 
 
+def _follow_up_candidates(records: list[dict], answers: dict[int, dict], config: MagpieConfig) -> list[dict]:
+    """The single-turn prompts whose answer ended on its own (EOS) and that have no follow-up yet,
+    a ``follow_up_share`` of them chosen by id."""
+    done = {r["parent"] for r in records if "parent" in r}
+    return [
+        r for r in records
+        if len(r["messages"]) == 1 and r["id"] in answers and r["id"] not in done
+        and answers[r["id"]]["finish"] == "eos" and _share(r["id"], config.seed + 1) < config.follow_up_share
+    ]  # fmt: skip
+
+
 def synthesize_follow_ups(
     model: PreTrainedModel | Target,
     tokenizer,
@@ -421,12 +441,7 @@ def synthesize_follow_ups(
     target = model if isinstance(model, Target) else Target(model)
     records = read_records(folder / PROMPTS)
     answers = {a["id"]: a for a in read_records(folder / ANSWERS)}
-    done = {r["parent"] for r in records if "parent" in r}
-    chosen = [
-        r for r in records
-        if len(r["messages"]) == 1 and r["id"] in answers and r["id"] not in done
-        and answers[r["id"]]["finish"] == "eos" and _share(r["id"], config.seed + 1) < config.follow_up_share
-    ]  # fmt: skip
+    chosen = _follow_up_candidates(records, answers, config)
     if not chosen:
         return []
     seen = _index(records, held_out)
@@ -491,6 +506,28 @@ class AnswerConfig:
     flush_every: int = 16  # answers buffered before an append
 
 
+def _pending_answers(
+    folder: Path, tokenizer, config: AnswerConfig, only: Iterable[int] | None
+) -> tuple[list[tuple[dict, list[int]]], int]:
+    """(record, prompt ids) of every prompt still to answer (of ``only`` when given; prompts
+    longer than ``max_prompt_tokens`` left out; none once ``answer_tokens`` are written), and the
+    answer tokens already written."""
+    records = read_records(folder / PROMPTS)
+    if not records:
+        raise ValueError(
+            f"{folder / PROMPTS} holds no prompts: write them first (treespec train-heads prompts)"
+        )
+    done = read_records(folder / ANSWERS)
+    answered = {a["id"] for a in done}
+    total = sum(len(a["answer"]) for a in done)
+    if config.answer_tokens is not None and total >= config.answer_tokens:
+        return [], total  # enough answers already
+    wanted = None if only is None else set(only)
+    todo = [r for r in records if r["id"] not in answered and (wanted is None or r["id"] in wanted)]
+    encoded = [(r, chat_ids(tokenizer, r["messages"])) for r in todo]
+    return [(r, ids) for r, ids in encoded if len(ids) <= config.max_prompt_tokens], total
+
+
 def write_answers(
     model: PreTrainedModel | Target,
     tokenizer,
@@ -505,22 +542,9 @@ def write_answers(
     of these ids); returns a summary (answers, answer tokens, tokens/s of this run)."""
     folder = Path(folder)
     target = model if isinstance(model, Target) else Target(model)
-    records = read_records(folder / PROMPTS)
-    if not records:
-        raise ValueError(
-            f"{folder / PROMPTS} holds no prompts: write them first (treespec train-heads prompts)"
-        )
     answers_path = folder / ANSWERS
-    done = read_records(answers_path)
-    answered = {a["id"] for a in done}
-    total = sum(len(a["answer"]) for a in done)
-    wanted = None if only is None else set(only)
-    todo = [r for r in records if r["id"] not in answered and (wanted is None or r["id"] in wanted)]
+    encoded, total = _pending_answers(folder, tokenizer, config, only)
     stops = end_of_turn_ids(target.model, tokenizer)
-    encoded = [(r, chat_ids(tokenizer, r["messages"])) for r in todo]
-    encoded = [(r, ids) for r, ids in encoded if len(ids) <= config.max_prompt_tokens]
-    if config.answer_tokens is not None and total >= config.answer_tokens:
-        encoded = []  # enough answers already
     bar = tqdm(total=config.answer_tokens or len(encoded) * config.max_new_tokens, initial=total,
                desc="answering", unit="tok", smoothing=0, disable=not progress)  # fmt: skip
     start, new_tokens, buffer = time.perf_counter(), 0, []

@@ -270,6 +270,32 @@ def mapped_tensors(path: Path) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 
 
+def _features_manifest(folder: Path, model: PreTrainedModel, feature_layers, eagle3: bool) -> dict:
+    """The folder's manifest, new or resumed; a folder written by another target, with the
+    other EAGLE-3 choice or in another dtype is refused by name."""
+    described = target_description(model, tuple(feature_layers))
+    manifest = _read_manifest(folder)
+    dtype = str(model.dtype).removeprefix("torch.")
+    if manifest is None:
+        manifest = {
+            "format": FORMAT,
+            "target": described,
+            "target_dtype": dtype,
+            "features": eagle3,
+            "source": "answers",
+            "shards": [],
+        }
+    else:
+        check_target(manifest, model, folder)
+        if manifest.get("features", True) != eagle3:
+            raise ValueError(f"{folder} was written {'with' if manifest.get('features', True) else 'without'} "
+                             f"EAGLE-3 features; pass the same choice to resume, or use another folder")  # fmt: skip
+        if manifest.get("target_dtype", "float32") != dtype:
+            raise ValueError(f"{folder} holds features of a {manifest.get('target_dtype', 'float32')} target; "
+                             f"this target runs in {dtype}: pass the same --dtype to resume, or use another folder")  # fmt: skip
+    return manifest
+
+
 def write_features(
     model: PreTrainedModel,
     answers: list[dict],
@@ -291,26 +317,7 @@ def write_features(
     of similar length run together, padded, ``batch_tokens`` positions per forward."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    described = target_description(model, tuple(feature_layers))
-    manifest = _read_manifest(folder)
-    dtype = str(model.dtype).removeprefix("torch.")
-    if manifest is None:
-        manifest = {
-            "format": FORMAT,
-            "target": described,
-            "target_dtype": dtype,
-            "features": eagle3,
-            "source": "answers",
-            "shards": [],
-        }
-    else:
-        check_target(manifest, model, folder)
-        if manifest.get("features", True) != eagle3:
-            raise ValueError(f"{folder} was written {'with' if manifest.get('features', True) else 'without'} "
-                             f"EAGLE-3 features; pass the same choice to resume, or use another folder")  # fmt: skip
-        if manifest.get("target_dtype", "float32") != dtype:
-            raise ValueError(f"{folder} holds features of a {manifest.get('target_dtype', 'float32')} target; "
-                             f"this target runs in {dtype}: pass the same --dtype to resume, or use another folder")  # fmt: skip
+    manifest = _features_manifest(folder, model, feature_layers, eagle3)
     done = {i for shard in manifest["shards"] for i in shard["prompt_ids"]}
     todo = [a for a in answers if a["id"] not in done and a["answer"]]
     todo = [a for a in todo if len(a["prompt"]) + len(a["answer"]) <= max_len]

@@ -60,6 +60,23 @@ def bench_linear(rows: list[int], bandwidth: float, peak: float, repeats: int) -
     return out
 
 
+def _fused_size(target: Target, cache, n: int, phases, timings: dict[str, list[float]], repeats: int) -> dict:
+    """One fused step of ``n`` new tokens: its time, the decoder's and LM head's calls, and the
+    C stack's phases (the profiling build's counters)."""
+    tokens = torch.randint(0, target.vocab_size, (n,))
+    step = lambda: target.forward(tokens, cache, [0, n], [0], return_hidden=False)  # noqa: E731
+    for _ in range(2):
+        step()
+    timings.clear()
+    for i in range(16):
+        phases[i] = 0.0
+    total = median_seconds(step, repeats, warmup=0)
+    per_phase = {f"{i:02d} {name}": 1e3 * phases[i] / repeats for i, name in enumerate(PHASES)}
+    decoder, head = statistics.median(timings["decoder"]), statistics.median(timings["lm_head"])
+    return {"new_tokens": n, "step_ms": 1e3 * total, "decoder_ms": 1e3 * decoder, "lm_head_ms": 1e3 * head,
+            "python_ms": 1e3 * (total - decoder - head), "phases_ms": per_phase}  # fmt: skip
+
+
 def bench_fused(model_name: str, sizes: list[int], context: int, repeats: int) -> list[dict] | str:
     lib, reason = cpu_kernels.load_library(("-DTREESPEC_PHASE_TIMES",), name="treespec_cpu_kernels_phases")
     if lib is None:
@@ -93,25 +110,47 @@ def bench_fused(model_name: str, sizes: list[int], context: int, repeats: int) -
         cpu_kernels.decoder_bf16 = timed("decoder", original_decoder)
         cpu_kernels.linear_unchecked = timed("lm_head", original_linear)
         for n in sizes:
-            tokens = torch.randint(0, target.vocab_size, (n,))
-            step = lambda tokens=tokens, n=n: target.forward(tokens, cache, [0, n], [0], return_hidden=False)  # noqa: E731
-            for _ in range(2):
-                step()
-            timings.clear()
-            for i in range(16):
-                phases[i] = 0.0
-            total = median_seconds(step, repeats, warmup=0)
-            per_phase = {}
-            for i, name in enumerate(PHASES):
-                per_phase[f"{i:02d} {name}"] = 1e3 * phases[i] / repeats
-            decoder, head = statistics.median(timings["decoder"]), statistics.median(timings["lm_head"])
-            out.append({"new_tokens": n, "step_ms": 1e3 * total, "decoder_ms": 1e3 * decoder,
-                        "lm_head_ms": 1e3 * head, "python_ms": 1e3 * (total - decoder - head),
-                        "phases_ms": per_phase})  # fmt: skip
+            out.append(_fused_size(target, cache, n, phases, timings, repeats))
     finally:
         cpu_kernels._load = loaded
         cpu_kernels.decoder_bf16, cpu_kernels.linear_unchecked = original_decoder, original_linear
     return out
+
+
+def bench_roads(rows: list[int], bandwidth: float, repeats: int) -> dict:
+    """The linear kernel on every road this machine has, against its bandwidth and its peak;
+    the road chosen at load is restored after."""
+    chosen, roads = cpu_kernels.isa(), {}
+    try:
+        for road in cpu_kernels.roads():
+            cpu_kernels.set_isa(road)
+            peak = cpu_kernels.peak_flops(road)
+            print(f"\n{road}: arithmetic peak {peak / 1e9:.0f} GFLOP/s")
+            print(f"{'rows':>5} {'ms':>7} {'GB/s':>6} {'GFLOP/s':>8} {'of BW':>6} {'of peak':>7}")
+            linear = bench_linear(rows, bandwidth, peak, repeats)
+            for r in linear:
+                print(f"{r['rows']:>5} {r['ms']:>7.2f} {r['GB/s']:>6.1f} {r['GFLOP/s']:>8.1f} "
+                      f"{r['of_bandwidth']:>6.0%} {r['of_peak']:>7.0%}")  # fmt: skip
+            roads[road] = {"peak_GFLOP/s": peak / 1e9, "linear": linear}
+    finally:
+        cpu_kernels.set_isa(chosen)
+    return roads
+
+
+def print_fused(fused: list[dict] | str, bandwidth: float) -> None:
+    if isinstance(fused, str):
+        print(fused)
+        return
+    weights_ms = 1e3 * 269.1e6 / bandwidth
+    print(f"(reading the weights once at the measured bandwidth: {weights_ms:.1f} ms)")
+    names = list(fused[0]["phases_ms"])
+    print(f"{'phase':<16}" + "".join(f"{r['new_tokens']:>8}" for r in fused))
+    for name in names:
+        print(f"{name:<16}" + "".join(f"{r['phases_ms'][name]:>8.2f}" for r in fused))
+    for key in ("decoder_ms", "lm_head_ms", "python_ms", "step_ms"):
+        print(f"{key:<16}" + "".join(f"{r[key]:>8.2f}" for r in fused))
+    base = fused[0]["step_ms"]
+    print(f"{'vs one token':<16}" + "".join(f"{r['step_ms'] / base:>8.2f}" for r in fused))
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
@@ -131,38 +170,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     report = {"threads": torch.get_num_threads(), "read_GB/s": bandwidth / 1e9, "roads": {}}
     print(f"threads {torch.get_num_threads()}, measured read bandwidth {bandwidth / 1e9:.1f} GB/s")
     chosen = cpu_kernels.isa()
-    try:
-        for road in cpu_kernels.roads():
-            cpu_kernels.set_isa(road)
-            peak = cpu_kernels.peak_flops(road)
-            print(f"\n{road}: arithmetic peak {peak / 1e9:.0f} GFLOP/s")
-            print(f"{'rows':>5} {'ms':>7} {'GB/s':>6} {'GFLOP/s':>8} {'of BW':>6} {'of peak':>7}")
-            linear = bench_linear(rows, bandwidth, peak, args.repeats)
-            for r in linear:
-                print(f"{r['rows']:>5} {r['ms']:>7.2f} {r['GB/s']:>6.1f} {r['GFLOP/s']:>8.1f} "
-                      f"{r['of_bandwidth']:>6.0%} {r['of_peak']:>7.0%}")  # fmt: skip
-            report["roads"][road] = {"peak_GFLOP/s": peak / 1e9, "linear": linear}
-    finally:
-        cpu_kernels.set_isa(chosen)
+    report["roads"] = bench_roads(rows, bandwidth, args.repeats)
     if sizes:
         fused = bench_fused(args.model, sizes, args.context, args.repeats)
         report["fused_step"] = fused
         print(
             f"\nfused step of {args.model} on the {chosen} road, {args.context} cached tokens (ms per step):"
         )
-        if isinstance(fused, str):
-            print(fused)
-        else:
-            weights_ms = 1e3 * 269.1e6 / bandwidth
-            print(f"(reading the weights once at the measured bandwidth: {weights_ms:.1f} ms)")
-            names = list(fused[0]["phases_ms"])
-            print(f"{'phase':<16}" + "".join(f"{r['new_tokens']:>8}" for r in fused))
-            for name in names:
-                print(f"{name:<16}" + "".join(f"{r['phases_ms'][name]:>8.2f}" for r in fused))
-            for key in ("decoder_ms", "lm_head_ms", "python_ms", "step_ms"):
-                print(f"{key:<16}" + "".join(f"{r[key]:>8.2f}" for r in fused))
-            base = fused[0]["step_ms"]
-            print(f"{'vs one token':<16}" + "".join(f"{r['step_ms'] / base:>8.2f}" for r in fused))
+        print_fused(fused, bandwidth)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.out}")

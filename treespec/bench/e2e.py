@@ -251,27 +251,31 @@ class Components:
 
 def run_method(components: Components, method: str, prompts: list[list[int]], generator_seed: int) -> dict:
     """One method on one batch of prompts: tokens, seconds, and (treespec) its statistics."""
-    config = components.config
-    new = config.max_new_tokens
-    sampling = config.temperature > 0
     if method in METHODS:
-        generator = torch.Generator(device=components.target.device).manual_seed(generator_seed)
-        proposer = components.proposer(method)
-        start = time.perf_counter()
-        processors = (
-            {"repetition_penalty": config.repetition_penalty} if config.repetition_penalty != 1.0 else {}
-        )
-        out = generate(components.target, prompts, proposer=proposer, max_new_tokens=new, eos_token_id=[],
-                       temperature=config.temperature, generator=generator, **processors)  # fmt: skip
-        seconds = time.perf_counter() - start
-        s = out.stats
-        lengths = [n for per in s.accepted_lengths for n in per]
-        return {"tokens": out.sequences, "seconds": seconds, "steps": s.steps, "accepted_lengths": lengths,
-                "drafted_nodes": s.drafted_nodes, "drafting": proposer.drafting_paths() if proposer else {},
-                "stages_s": {"propose": s.propose_s, "score": s.forward_s, "verify": s.verify_s,
-                             "commit": s.commit_s}}  # fmt: skip
-    model, tokenizer = components.hf_model, components.tokenizer
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return _run_treespec(components, method, prompts, generator_seed)
+    return _run_hf(components, method, prompts, generator_seed)
+
+
+def _run_treespec(components: Components, method: str, prompts: list[list[int]], generator_seed: int) -> dict:
+    config = components.config
+    generator = torch.Generator(device=components.target.device).manual_seed(generator_seed)
+    proposer = components.proposer(method)
+    start = time.perf_counter()
+    processors = {"repetition_penalty": config.repetition_penalty} if config.repetition_penalty != 1.0 else {}
+    out = generate(components.target, prompts, proposer=proposer, max_new_tokens=config.max_new_tokens,
+                   eos_token_id=[], temperature=config.temperature, generator=generator, **processors)  # fmt: skip
+    seconds = time.perf_counter() - start
+    s = out.stats
+    lengths = [n for per in s.accepted_lengths for n in per]
+    return {"tokens": out.sequences, "seconds": seconds, "steps": s.steps, "accepted_lengths": lengths,
+            "drafted_nodes": s.drafted_nodes, "drafting": proposer.drafting_paths() if proposer else {},
+            "stages_s": {"propose": s.propose_s, "score": s.forward_s, "verify": s.verify_s,
+                         "commit": s.commit_s}}  # fmt: skip
+
+
+def _hf_options(components: Components, method: str, generator_seed: int) -> dict:
+    """HF ``generate``'s options for a baseline: its drafting, the processors, greedy or sampled."""
+    config = components.config
     extra: dict = {}
     if method == "hf-pld":
         extra["prompt_lookup_num_tokens"] = 8
@@ -279,19 +283,27 @@ def run_method(components: Components, method: str, prompts: list[list[int]], ge
         extra["assistant_model"] = components.head("draft", for_what="hf-assisted")
     if config.repetition_penalty != 1.0:
         extra["repetition_penalty"] = config.repetition_penalty
-    if sampling:
+    if config.temperature > 0:
         extra.update(do_sample=True, temperature=config.temperature, top_k=0, top_p=1.0)
         torch.manual_seed(generator_seed)
     else:
         extra.update(do_sample=False, top_k=None, top_p=None, temperature=None)
+    return extra
+
+
+def _run_hf(components: Components, method: str, prompts: list[list[int]], generator_seed: int) -> dict:
+    model, tokenizer = components.hf_model, components.tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    extra = _hf_options(components, method, generator_seed)
     ids, mask = left_pad(prompts, pad)
     forwards = []  # the target's forward passes: prefill, then one per decoding (or verifying) step
     hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
     try:
         with _hf_notices_off():
             start = time.perf_counter()
-            out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new,
-                                 pad_token_id=pad, eos_token_id=None, **extra)  # fmt: skip
+            out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
+                                 max_new_tokens=components.config.max_new_tokens, pad_token_id=pad,
+                                 eos_token_id=None, **extra)  # fmt: skip
             seconds = time.perf_counter() - start
     finally:
         hook.remove()

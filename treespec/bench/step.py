@@ -256,6 +256,41 @@ def relative(times: dict[int, float]) -> dict[int, float]:
     return {n: t / times[1] for n, t in times.items()}
 
 
+def _forward_rows(
+    model, targets: list[Target], batch: int, config: StepBenchConfig, log
+) -> tuple[list[dict], float]:
+    """The target's forward per size on each backend beside HF's; the first backend's one-token
+    step (what drafting is set against)."""
+    hf = hf_forward_ms(model, batch, config)
+    rows, measured = [], []
+    for each in targets:
+        ours = target_forward_ms(each, batch, config)
+        measured.append(ours)
+        for n in config.sizes:
+            rows.append({"batch": batch, "linear_backend": each.linear_backend,
+                         "attention_backend": each.attention_backend, "new_per_request": n,
+                         "new_tokens": batch * n, "treespec_ms": ours[n], "treespec_vs_1": relative(ours)[n],
+                         "hf_ms": hf[n], "hf_vs_1": relative(hf)[n]})  # fmt: skip
+            log(f"forward B={batch:<2} n={n:<3} {label(each):<22} treespec {ours[n]:8.2f} ms "
+                f"({relative(ours)[n]:5.2f}x)  hf {hf[n]:8.2f} ms ({relative(hf)[n]:5.2f}x)")  # fmt: skip
+    return rows, measured[0][1]
+
+
+def _propose_rows(kind: str, model, head, target: Target, batch: int, prompts, single_ms: float,
+                  config: StepBenchConfig, log) -> list[dict]:  # fmt: skip
+    """One proposer's drafting time per budget, against its budget-1 time and one target step."""
+    rows, times = [], {}
+    for budget in config.budgets:
+        proposer = make_proposer(kind, model, head, batch, budget, config)
+        times[budget], drafted = drafting_ms(target, proposer, prompts, config)
+        rows.append({"proposer": kind, "batch": batch, "budget": budget, "drafted_nodes": drafted,
+                     "ms": times[budget], "vs_1": times[budget] / times[1],
+                     "vs_target_step": times[budget] / single_ms})  # fmt: skip
+        log(f"propose {kind:<6} B={batch:<2} budget {budget:<3} drafted {drafted:5.1f}  "
+            f"{times[budget]:8.2f} ms ({times[budget] / times[1]:5.2f}x)")  # fmt: skip
+    return rows
+
+
 def run(model, heads: dict, prompts: list[list[int]], config: StepBenchConfig, log=print) -> dict:
     """Every measurement for ``model`` (on ``config.device`` in ``config.dtype`` already).
 
@@ -268,33 +303,16 @@ def run(model, heads: dict, prompts: list[list[int]], config: StepBenchConfig, l
     target = targets[0]  # the proposers draft inside an engine on the first
     forward, propose, skipped = [], [], {}
     for batch in config.batches:
-        hf = hf_forward_ms(model, batch, config)
-        measured = []
-        for each in targets:
-            ours = target_forward_ms(each, batch, config)
-            measured.append(ours)
-            for n in config.sizes:
-                forward.append({"batch": batch, "linear_backend": each.linear_backend,
-                                "attention_backend": each.attention_backend, "new_per_request": n,
-                                "new_tokens": batch * n, "treespec_ms": ours[n], "treespec_vs_1": relative(ours)[n],
-                                "hf_ms": hf[n], "hf_vs_1": relative(hf)[n]})  # fmt: skip
-                log(f"forward B={batch:<2} n={n:<3} {label(each):<22} treespec {ours[n]:8.2f} ms "
-                    f"({relative(ours)[n]:5.2f}x)  hf {hf[n]:8.2f} ms ({relative(hf)[n]:5.2f}x)")  # fmt: skip
-        ours = measured[0]  # the target the proposers draft on
+        rows, single_ms = _forward_rows(model, targets, batch, config, log)
+        forward += rows
         batch_prompts = [fit_prompt(prompts[b % len(prompts)], config.context) for b in range(batch)]
         for kind in config.proposers:
             if kind != "ngram" and kind not in heads:
                 skipped[kind] = "no head of this kind for the model"
                 continue
-            times = {}
-            for budget in config.budgets:
-                proposer = make_proposer(kind, model, heads.get(kind), batch, budget, config)
-                times[budget], drafted = drafting_ms(target, proposer, batch_prompts, config)
-                propose.append({"proposer": kind, "batch": batch, "budget": budget, "drafted_nodes": drafted,
-                                "ms": times[budget], "vs_1": times[budget] / times[1],
-                                "vs_target_step": times[budget] / ours[1]})  # fmt: skip
-                log(f"propose {kind:<6} B={batch:<2} budget {budget:<3} drafted {drafted:5.1f}  "
-                    f"{times[budget]:8.2f} ms ({times[budget] / times[1]:5.2f}x)")  # fmt: skip
+            propose += _propose_rows(
+                kind, model, heads.get(kind), target, batch, batch_prompts, single_ms, config, log
+            )
     return {
         "config": asdict(config),
         "batching": BATCHING,

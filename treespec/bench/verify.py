@@ -70,6 +70,21 @@ def target_forward_ms(model_name: str, tree: TokenTree, repeats: int) -> float:
     return median_ms(forward, max(3, repeats // 4))
 
 
+def verify_ms_per_mode(tree: TokenTree, vocab: int, repeats: int, gen: torch.Generator) -> dict[str, float]:
+    """Median ms of one verification of ``tree`` over random logits, per rule."""
+    logits = torch.randn(tree.num_nodes, vocab, generator=gen) * 3
+    sampling = SamplingParams(temperature=0.8)
+    calls = {
+        "greedy": lambda: verify(tree, logits, SamplingParams()),
+        "deterministic": lambda: verify(tree, logits, sampling, mode="deterministic", generator=gen),
+        "sampled": lambda: verify(tree, logits, sampling, mode="sampled", generator=gen),
+        "sampled_top_p_0.9": lambda: verify(tree, logits, SamplingParams(0.8, top_p=0.9), mode="sampled",
+                                            generator=gen),
+        "typical": lambda: verify(tree, logits, sampling, mode="typical", generator=gen),
+    }  # fmt: skip
+    return {mode: median_ms(call, repeats) for mode, call in calls.items()}
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -85,24 +100,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
 
     gen = torch.Generator().manual_seed(0)
     tree = random_trees(args.batch, args.nodes, args.vocab, gen)
-    logits = torch.randn(tree.num_nodes, args.vocab, generator=gen) * 3
-    sampling = SamplingParams(temperature=0.8)
-    results = {
-        "greedy": median_ms(lambda: verify(tree, logits, SamplingParams()), args.repeats),
-        "deterministic": median_ms(
-            lambda: verify(tree, logits, sampling, mode="deterministic", generator=gen), args.repeats
-        ),
-        "sampled": median_ms(
-            lambda: verify(tree, logits, sampling, mode="sampled", generator=gen), args.repeats
-        ),
-        "sampled_top_p_0.9": median_ms(
-            lambda: verify(tree, logits, SamplingParams(0.8, top_p=0.9), mode="sampled", generator=gen),
-            args.repeats,
-        ),
-        "typical": median_ms(
-            lambda: verify(tree, logits, sampling, mode="typical", generator=gen), args.repeats
-        ),
-    }
+    results = verify_ms_per_mode(tree, args.vocab, args.repeats, gen)
     report = {"batch": args.batch, "nodes": args.nodes, "vocab": args.vocab, "verify_ms": results}
     if not args.no_target:
         report["target_forward_ms"] = target_forward_ms(args.model, tree, args.repeats)

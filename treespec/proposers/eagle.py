@@ -121,32 +121,39 @@ class EagleProposer(Proposer):
         self.vocab_size = target_vocab
         self.hidden_layers = layers  # the engine hands these layers' inputs over (EAGLE-3)
         self.embed = target_model.get_input_embeddings()
-        self.lm_head = linear.module_view(target_model.get_output_embeddings(), backend)
-        self.readout_ids = None
-        if readout_ids is None and not config.eagle3 and config.draft_vocab_size is not None:
-            readout_ids = head.target_ids()  # the head's own reduced read-out (trained with it)
-        if readout_ids is not None:
-            self.readout_ids, self.lm_head = self._reduced_readout(readout_ids, config, target_vocab, backend)
+        self._set_readout(head, target_model, readout_ids, backend)
         self.backend = resolve_backend(attention_backend, weight.device)
         self.fused, self.path_reason = _fused_layer(
             head, self.lm_head.weight, fused, backend, attention_backend
         )
         self.path = "fused" if self.fused is not None else "modules"
-        # the read-out's columns' token ids (None: column c is token c)
-        own = config.eagle3 or config.draft_vocab_size is not None
-        self._column_ids = (
-            self.readout_ids if self.readout_ids is not None else (head.target_ids() if own else None)
-        )
-        max_len = max_len or default_max_len(getattr(target_config, "max_position_embeddings", None))
-        self.max_context = max_len
+        self.max_context = max_len or default_max_len(getattr(target_config, "max_position_embeddings", None))
         drafted = 1 + (depth - 1) * top_k  # nodes run through the head per step, root pair included
         self.cache = KVCache(
-            1, max_batch_size, config.num_key_value_heads, max_len + drafted, config.head_dim,
+            1, max_batch_size, config.num_key_value_heads, self.max_context + drafted, config.head_dim,
             dtype=weight.dtype, device=weight.device,
         )  # fmt: skip
         self.sm_scale = config.head_dim**-0.5
         self._slot: dict[int, int] = {}  # request id -> head cache slot
         self._pending: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # pairs not yet run
+
+    def _set_readout(self, head: EagleHead, target_model: PreTrainedModel, readout_ids, backend: str) -> None:
+        """The LM head the head reads out through (a view with ``backend``), reduced to
+        ``readout_ids`` or the head's own trained read-out where it has one, and the token id of
+        each of its columns (``_column_ids``; None: column c is token c)."""
+        config = head.config
+        self.lm_head = linear.module_view(target_model.get_output_embeddings(), backend)
+        self.readout_ids = None
+        if readout_ids is None and not config.eagle3 and config.draft_vocab_size is not None:
+            readout_ids = head.target_ids()  # the head's own reduced read-out (trained with it)
+        if readout_ids is not None:
+            self.readout_ids, self.lm_head = self._reduced_readout(
+                readout_ids, config, self.vocab_size, backend
+            )
+        own = config.eagle3 or config.draft_vocab_size is not None
+        self._column_ids = (
+            self.readout_ids if self.readout_ids is not None else (head.target_ids() if own else None)
+        )
 
     def drafting_paths(self) -> dict[str, str]:
         return {"eagle head": describe_path(self.path, self.path_reason)}

@@ -72,46 +72,43 @@ def fused_refusal(model: nn.Module) -> str | None:
         return f"the fused decoder is for bf16 models on a CPU; this one is {model.dtype} on {model.device}"
     if not cpu_kernels.available():
         return f"the fused decoder needs treespec's CPU kernels: {cpu_kernels.unavailable_reason()}"
-    config = model.config
+    if (reason := _config_refusal(name, model.config)) is not None:
+        return reason
+    for index, layer in enumerate(model.model.layers):
+        if (reason := _layer_refusal(index, layer, *FAMILIES[name])) is not None:
+            return reason
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear or head.bias is not None or not head.weight.is_contiguous():
+        return "the LM head is not a bias-free nn.Linear with a contiguous weight"
+    return None
+
+
+def _config_refusal(name: str, config) -> str | None:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return f"{name} uses a sliding window, which the fused decoder does not have"
     if getattr(config, "hidden_act", None) != "silu":
         return f"the fused decoder's MLP is SiLU-gated; this model's activation is {config.hidden_act!r}"
     if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1 splits the linear layers in a way the fused decoder does not"
-    layer_class, norm_class = FAMILIES[name]
-    base = model.model
-    for index, layer in enumerate(base.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = [
-            attn.q_proj,
-            attn.k_proj,
-            attn.v_proj,
-            attn.o_proj,
-            mlp.gate_proj,
-            mlp.up_proj,
-            mlp.down_proj,
-        ]
-        if type(layer).__name__ != layer_class or not all(type(m) is nn.Linear for m in linears):
-            return f"layer {index} is not a plain {layer_class} of nn.Linear layers"
-        if any(
-            type(n).__name__ != norm_class for n in (layer.input_layernorm, layer.post_attention_layernorm)
-        ):
-            return f"layer {index}'s norms are not {norm_class}"
-        if any(m.bias is not None for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            return f"layer {index} has o-proj or MLP biases, which the fused decoder does not add"
-        if any(hasattr(attn, norm) for norm in ("q_norm", "k_norm")):
-            return f"layer {index} normalises q and k, which the fused decoder does not"
-        tensors = [
-            p
-            for m in (*linears, layer.input_layernorm, layer.post_attention_layernorm)
-            for p in m.parameters()
-        ]
-        if not all(p.dtype is torch.bfloat16 and p.is_contiguous() for p in tensors):
-            return f"layer {index} has parameters that are not contiguous bf16"
-    head = model.get_output_embeddings()
-    if type(head) is not nn.Linear or head.bias is not None or not head.weight.is_contiguous():
-        return "the LM head is not a bias-free nn.Linear with a contiguous weight"
+    return None
+
+
+def _layer_refusal(index: int, layer: nn.Module, layer_class: str, norm_class: str) -> str | None:
+    """Why decoder layer ``index`` is not the plain layer the fused stack computes, or None."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if type(layer).__name__ != layer_class or not all(type(m) is nn.Linear for m in linears):
+        return f"layer {index} is not a plain {layer_class} of nn.Linear layers"
+    if any(type(n).__name__ != norm_class for n in norms):
+        return f"layer {index}'s norms are not {norm_class}"
+    if any(m.bias is not None for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        return f"layer {index} has o-proj or MLP biases, which the fused decoder does not add"
+    if any(hasattr(attn, norm) for norm in ("q_norm", "k_norm")):
+        return f"layer {index} normalises q and k, which the fused decoder does not"
+    tensors = [p for m in (*linears, *norms) for p in m.parameters()]
+    if not all(p.dtype is torch.bfloat16 and p.is_contiguous() for p in tensors):
+        return f"layer {index} has parameters that are not contiguous bf16"
     return None
 
 

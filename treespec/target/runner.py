@@ -282,6 +282,26 @@ def batch_invariance_refusal(model: PreTrainedModel) -> str | None:
     return None
 
 
+def _invariance_choice(
+    batch_invariant: bool | None, attention_backend: str, linear_backend: str, refusal: str | None
+) -> tuple[bool, str, str]:
+    """(batch_invariant, attention backend, linear backend): None turns invariance on where it
+    can be and both backends are "auto"; on, it takes the CPU kernels for both, and a model or
+    forced backend that cannot have it is refused with the reason."""
+    if batch_invariant is None:
+        batch_invariant = attention_backend == "auto" and linear_backend == "auto" and refusal is None
+    if not batch_invariant:
+        return False, attention_backend, linear_backend
+    if refusal is not None:
+        raise ValueError(f"batch_invariant=True: {refusal}")
+    if attention_backend not in ("auto", "cpu") or linear_backend not in ("auto", "bf16-kernel"):
+        raise ValueError(
+            "batch_invariant=True takes attention 'cpu' and linear 'bf16-kernel'; got "
+            f"attention_backend={attention_backend!r}, linear_backend={linear_backend!r}"
+        )
+    return True, "cpu", "bf16-kernel"
+
+
 class Target:
     """A wrapped HF causal LM that scores flattened ragged batches of chains and trees."""
 
@@ -314,18 +334,9 @@ class Target:
         :attr:`path` names what runs."""
         _check_causal_lm(model)
         refusal = batch_invariance_refusal(model)
-        automatic = attention_backend == "auto" and linear_backend == "auto"
-        if batch_invariant is None:
-            batch_invariant = automatic and refusal is None
-        if batch_invariant:
-            if refusal is not None:
-                raise ValueError(f"batch_invariant=True: {refusal}")
-            if attention_backend not in ("auto", "cpu") or linear_backend not in ("auto", "bf16-kernel"):
-                raise ValueError(
-                    "batch_invariant=True takes attention 'cpu' and linear 'bf16-kernel'; got "
-                    f"attention_backend={attention_backend!r}, linear_backend={linear_backend!r}"
-                )
-            attention_backend, linear_backend = "cpu", "bf16-kernel"
+        batch_invariant, attention_backend, linear_backend = _invariance_choice(
+            batch_invariant, attention_backend, linear_backend, refusal
+        )
         if fused and not batch_invariant:
             raise ValueError("fused=True runs treespec's batch-invariant CPU kernels; batch_invariant is off")
         self.batch_invariant = batch_invariant
@@ -344,22 +355,25 @@ class Target:
         self._no_mask = torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=model.device)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = getattr(config, "max_position_embeddings", None)
+        self._choose_path(fused, refusal)
+
+    def _choose_path(self, fused: bool | None, invariance_refusal: str | None) -> None:
+        """The fused decoder where it serves the model (and is not turned off), else the modules
+        with the reason (said once when nobody asked)."""
         self.fused: FusedDecoder | None = None
         if fused is False:
             refusal = "fused=False"
-        elif not batch_invariant:
-            refusal = (
-                f"batch-invariant kernels are off ({refusal or 'batch_invariant=False or a forced backend'})"
-            )
+        elif not self.batch_invariant:
+            refusal = f"batch-invariant kernels are off ({invariance_refusal or 'batch_invariant=False or a forced backend'})"
         else:
-            refusal = fused_refusal(model)
+            refusal = fused_refusal(self.model)
         if refusal is None:
-            self.fused = FusedDecoder(model)
+            self.fused = FusedDecoder(self.model)
         elif fused:
             raise ValueError(f"fused=True: {refusal}")
-        elif batch_invariant and fused is None and env_refusal() is None:
+        elif self.batch_invariant and fused is None and env_refusal() is None:
             say_once(
-                f"treespec runs {type(model).__name__} through its modules, not the fused decoder: {refusal}"
+                f"treespec runs {type(self.model).__name__} through its modules, not the fused decoder: {refusal}"
             )
         self.path = "fused" if self.fused is not None else "modules"
         self.path_reason = "" if self.fused is not None else refusal

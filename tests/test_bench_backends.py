@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_bench import tiny_model_folder, write_prompts
 
-from treespec import benchmark
+from treespec.bench import e2e as benchmark
 from treespec.cli import main
 from treespec.kernels import cpu_kernels
 

@@ -15,10 +15,9 @@ from test_cpu_kernels import tree_and_paths_logits
 from torch import nn
 
 import treespec
-from treespec import fused
 from treespec.kernels import cpu_kernels
 from treespec.proposers import NgramProposer
-from treespec.target import Target
+from treespec.target import Target, fused
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
 ROADS = cpu_kernels.roads()

@@ -34,6 +34,7 @@ SUITE_FLAGS = {
     "compile": "--repeats",
     "draft-acceptance": "--prompts",
     "profile": "--repeats",
+    "heads-tau": "--new",
 }
 BAD |= {("bench", suite): ([flag, "many"], flag) for suite, flag in SUITE_FLAGS.items()}
 

@@ -134,6 +134,7 @@ BENCH_SUITES = {
     ),
     "compile": ("compile", "whether torch.compile pays for a target step: HF's forward eager and compiled"),
     "draft-acceptance": ("draft_acceptance", "sampled against top-k draft children at temperature > 0"),
+    "heads-tau": ("heads_tau", "trained heads' tau through the engine on the dev prompts no head trained on"),
     "profile": ("profile", "where one target step's time goes, per linear backend and number of new tokens"),
 }
 TRAIN_CONFIG = "treespec.heads.training.train:TrainConfig"

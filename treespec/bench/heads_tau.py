@@ -1,7 +1,7 @@
 """Acceptance (tau) of trained heads through the real engine, on the dev prompts no head was
 trained on: T=0, batch 1, a dynamic tree of at most 32 nodes (root included).
 
-    python scripts/eval_heads.py [--kinds eagle,medusa,draft] [--heads NAME_OR_DIR ...] [--new 128]
+    treespec bench heads-tau [--kinds eagle,medusa,draft] [--heads NAME_OR_DIR ...] [--new 128]
 
 By default it evaluates the heads shipped for the model. Writes bench_results/heads_tau.json.
 """
@@ -13,16 +13,16 @@ import json
 import time
 from pathlib import Path
 
-import treespec
 from treespec import heads as heads_module
+from treespec.api import generate
 from treespec.heads.training.prompts import DEV_PROMPTS
 from treespec.heads.training.train import TrainConfig, proposer_for
 from treespec.models import DEFAULT_MODEL, DTYPES, load
 from treespec.prompts import encode_prompts
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--kinds", default="eagle,medusa,draft")
     parser.add_argument(
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
     parser.add_argument("--out", type=Path, default=Path("bench_results/heads_tau.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     kinds = args.kinds.split(",")
     dtype = DTYPES[args.dtype]
     model, tokenizer = load(args.model, dtype=dtype)
@@ -44,7 +44,7 @@ def main() -> None:
         lengths, start, new = [], time.perf_counter(), 0
         for prompt in prompts:
             proposer = proposer_for(TrainConfig(kind=kind), module, model)
-            out = treespec.generate(model, [prompt], max_new_tokens=args.new, proposer=proposer)
+            out = generate(model, [prompt], max_new_tokens=args.new, proposer=proposer)
             lengths += out.stats.accepted_lengths[0]
             new += len(out.sequences[0])
         results[kind] = {"head": str(name), "tau": sum(lengths) / len(lengths), "steps": len(lengths),

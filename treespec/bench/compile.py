@@ -13,25 +13,19 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
 from treespec import models
+from treespec.bench.timing import median_seconds
 from treespec.models import DEFAULT_MODEL
 from treespec.target import Target
 
 
 def median_ms(run, repeats: int, setup=None) -> float:
-    times = []
-    for _ in range(repeats):
-        state = setup() if setup else None
-        start = time.perf_counter()
-        run(state)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(run, repeats, warmup=0, setup=setup or (lambda: None))
 
 
 @torch.inference_mode()

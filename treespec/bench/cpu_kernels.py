@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from treespec import models
+from treespec.bench.timing import median_seconds
 from treespec.kernels import cpu_kernels
 from treespec.models import DEFAULT_MODEL
 from treespec.target import Target
@@ -36,24 +37,13 @@ PHASES = ("norm", "qkv", "rotary+cache", "attention", "widen", "o_proj", "residu
           "silu*up", "down", "residual", "final norm")  # fmt: skip
 
 
-def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def bench_linear(rows: list[int], bandwidth: float, peak: float, repeats: int) -> list[dict]:
     torch.manual_seed(0)
     weight = torch.randn(30 * 1536, 576).bfloat16()
     out = []
     for m in rows:
         x = torch.randn(m, 576).bfloat16()
-        seconds = median_seconds(lambda x=x: cpu_kernels.linear_unchecked(x, weight, None), repeats)
+        seconds = median_seconds(lambda x=x: cpu_kernels.linear_unchecked(x, weight, None), repeats, warmup=2)
         gbs, flops = weight.numel() * 2 / seconds, 2 * m * weight.numel() / seconds
         out.append({"rows": m, "ms": 1e3 * seconds, "GB/s": gbs / 1e9, "GFLOP/s": flops / 1e9,
                     "of_bandwidth": gbs / bandwidth, "of_peak": flops / peak})  # fmt: skip

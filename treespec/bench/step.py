@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from treespec import heads as head_registry
+from treespec.bench.timing import median_seconds
 from treespec.engine import Engine
 from treespec.models import DEFAULT_MODEL, DTYPES, load
 from treespec.presets import DRAFT_TREE, DRAFT_VOCAB, EAGLE_TREE, MEDUSA_TREE
@@ -106,16 +107,8 @@ def synchronize(device: str) -> None:
 def median_ms(run: Callable, config: StepBenchConfig, setup: Callable | None = None) -> float:
     """Median milliseconds of ``run(setup())`` over ``config.repeats`` calls after
     ``config.warmup``; ``setup`` (untimed) gives each call a fresh input."""
-    times = []
-    for i in range(config.warmup + config.repeats):
-        state = setup() if setup is not None else None
-        synchronize(config.device)
-        start = time.perf_counter()
-        run(state)
-        synchronize(config.device)
-        if i >= config.warmup:
-            times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(run, config.repeats, warmup=config.warmup, setup=setup or (lambda: None),
+                                device=config.device)  # fmt: skip
 
 
 def random_tokens(

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from treespec.bench.timing import median_seconds
 from treespec.models import DEFAULT_MODEL, load
 from treespec.sampling import SamplingParams
 from treespec.target import Target
@@ -44,13 +43,7 @@ def random_trees(batch: int, nodes: int, vocab: int, gen: torch.Generator) -> To
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return 1e3 * median_seconds(fn, repeats)
 
 
 def target_forward_ms(model_name: str, tree: TokenTree, repeats: int) -> float:

@@ -252,6 +252,14 @@ def test_serve_check_exports_each_kind_and_reads_it_back(tmp_path, monkeypatch, 
         )
 
 
+def test_serve_check_without_vllm_says_what_to_install(tmp_path, monkeypatch):
+    with pytest.raises(
+        SystemExit, match="no vLLM interpreter at .*run ../shared/peers/setup.sh, or pass --no-vllm"
+    ):
+        run_script("serve_check", ["--heads", "eagle=nowhere", "--vllm-python", str(tmp_path / "no-python")],
+                   monkeypatch)  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path.home().joinpath(".cache/treespec-peers/vllm/bin/python").is_file(),
                     reason="vLLM's CPU build is not installed (../shared/peers/setup.sh)")  # fmt: skip

@@ -351,10 +351,8 @@ def tree_attention_triton(
         raise RuntimeError("backend 'triton' needs the triton package (pip install 'treespec[gpu]')")
     if not q.is_cuda and not interpreting():
         raise RuntimeError("the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
-    if schedule is None:
-        check_attention_inputs(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions)
-    else:
-        check_attention_shapes(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions)
+    checks = check_attention_inputs if schedule is None else check_attention_shapes
+    checks(q, k_cache, v_cache, cu_q, slots, prefix_lens, tree_mask, window, q_positions)
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -369,11 +367,7 @@ def tree_attention_triton(
     block_d = triton.next_power_of_2(head_dim)
     num_blocks = len(schedule.block_request)
     split = schedule.num_splits > 1
-    rows = schedule.block_m * group_pad(group)
-    partial_shape = (num_blocks * num_kv_heads * schedule.num_splits * rows,)
-    partial_m = q.new_empty(partial_shape if split else (1,), dtype=torch.float32)
-    partial_l = torch.empty_like(partial_m)
-    partial_out = q.new_empty((partial_shape[0], block_d) if split else (1,), dtype=torch.float32)
+    partial_out, partial_m, partial_l = _split_buffers(q, schedule, num_kv_heads, group, block_d)
     mask = tree_mask if tree_mask is not None else cu_q  # any int tensor; unread when causal
     positions = q_positions if q_positions is not None else cu_q
     kernel, configs = _kernel_and_configs(block_d)
@@ -393,6 +387,19 @@ def tree_attention_triton(
     if split:
         _combine_splits(out, schedule, partial_out, partial_m, partial_l, group, head_dim)
     return out
+
+
+def _split_buffers(q: torch.Tensor, schedule: TritonSchedule, num_kv_heads: int, group: int, block_d: int):
+    """(partial outputs, running maxima, running sums) in fp32 for a split-KV launch: one row per
+    block, KV head, split and query row of the block; one unread element each without splits."""
+    if schedule.num_splits == 1:
+        unused = q.new_empty((1,), dtype=torch.float32)
+        return unused, torch.empty_like(unused), torch.empty_like(unused)
+    rows = (
+        len(schedule.block_request) * num_kv_heads * schedule.num_splits * schedule.block_m * group_pad(group)
+    )
+    partial_m = q.new_empty((rows,), dtype=torch.float32)
+    return q.new_empty((rows, block_d), dtype=torch.float32), partial_m, torch.empty_like(partial_m)
 
 
 def _check_triton_layout(q, k_cache, v_cache, schedule):
@@ -504,24 +511,11 @@ def build_plan(
     )  # [T]
     row_index = torch.arange(num_rows, device=device) - cu_q[row_request]  # [T]
 
-    key = torch.arange(l_max, device=device)
-    rel = key[None, :] - prefix[:, None]  # [B, L_max]: index of the key among the new tokens
-    is_new_key = (rel >= 0) & (rel < num_new[:, None])
-    query = torch.arange(n_max, device=device)
-    if tree_mask is None:
-        new_visible = rel[:, None, :] <= query[None, :, None]  # causal chain
-    else:
-        bits = unpack_tree_mask(tree_mask)  # [T, 32W]
-        bits_pad = bits.new_zeros(len(num_new), n_max, bits.shape[1])
-        bits_pad[row_request, row_index] = bits
-        column = rel.clamp(0, bits.shape[1] - 1)[:, None, :].expand(-1, n_max, -1)
-        new_visible = torch.gather(bits_pad, 2, column)  # [B, n_max, L_max]
-    visible = (rel < 0)[:, None, :] | (is_new_key[:, None, :] & new_visible)
-
+    rel, is_new_key, visible = _visible_keys(prefix, num_new, tree_mask, row_request, row_index, n_max, l_max)
     if window is not None:
         visible &= _window_mask(cu_q, q_positions, rel, is_new_key, row_request, row_index, window, n_max)
 
-    is_padded_row = query[None, :] >= num_new[:, None]  # [B, n_max]
+    is_padded_row = torch.arange(n_max, device=device)[None, :] >= num_new[:, None]  # [B, n_max]
     visible &= ~is_padded_row[:, :, None]
     visible[..., 0] |= is_padded_row  # a fully masked row would give NaN
     consecutive = (
@@ -533,6 +527,26 @@ def build_plan(
     # itself) and all requests see as many keys (no padded key), with no window to cut the prefix.
     all_visible = window is None and set(num_new_list) <= {1} and len(set(kv_len_list)) <= 1
     return AttentionPlan(row_request, row_index, kv_len, visible, slot_index, uniform, all_visible)
+
+
+def _visible_keys(prefix, num_new, tree_mask, row_request, row_index, n_max: int, l_max: int):
+    """(rel, is_new_key, visible): each key's index among its request's new tokens [B, L_max], whether
+    it is one, and which keys each padded query row sees [B, n_max, L_max] before any window: the
+    whole prefix, then the causal chain or the tree's ancestors among the new tokens."""
+    device = prefix.device
+    key = torch.arange(l_max, device=device)
+    rel = key[None, :] - prefix[:, None]
+    is_new_key = (rel >= 0) & (rel < num_new[:, None])
+    query = torch.arange(n_max, device=device)
+    if tree_mask is None:
+        new_visible = rel[:, None, :] <= query[None, :, None]  # causal chain
+    else:
+        bits = unpack_tree_mask(tree_mask)  # [T, 32W]
+        bits_pad = bits.new_zeros(len(num_new), n_max, bits.shape[1])
+        bits_pad[row_request, row_index] = bits
+        column = rel.clamp(0, bits.shape[1] - 1)[:, None, :].expand(-1, n_max, -1)
+        new_visible = torch.gather(bits_pad, 2, column)  # [B, n_max, L_max]
+    return rel, is_new_key, (rel < 0)[:, None, :] | (is_new_key[:, None, :] & new_visible)
 
 
 def _window_mask(cu_q, q_positions, rel, is_new_key, row_request, row_index, window, n_max):

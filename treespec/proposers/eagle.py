@@ -23,9 +23,11 @@ so the deterministic-children rule verifies them losslessly at any temperature.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -242,53 +244,46 @@ class EagleProposer(Proposer):
         """One EAGLE-2 tree of ``depth`` levels per request, all of them the same depth."""
         if depth < 1:
             return TokenTree.roots([r.tokens[-1] for r in requests])
-        ids = [r.request_id for r in requests]
-        k = self.top_k
-        num_nodes = min(self.total_tokens, dynamic_capacity(k, depth))
         processed = any(r.sampling.has_processors for r in requests)
         root_logprobs = self._log_probs(root_features, widen=processed)  # [B, V']
         if processed:  # the requests' processors steer the drafts too, each node on its own path
             root_logprobs = process_draft(root_logprobs, requests, range(len(requests)), [[]] * len(requests))
-            paths: list[list[list[int]]] = []  # per expansion: per request, per frontier slot
-        device = root_features.device
-        slots = [self._slot[i] for i in ids]
-        # Per request, the ancestor-and-self relation among the nodes run so far [B, N, N]
-        drafted = [torch.zeros(len(ids), 0, 0, dtype=torch.bool, device=device)]
-        outputs: list[torch.Tensor] = []  # per expansion: the head's outputs [B, K, H]
-
-        def expand(step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
-            if step == 1:
-                features = root_features[:, None].expand(-1, k, -1)
-            else:  # each node drafts from its parent's output in the previous expansion
-                features = outputs[-1].gather(
-                    1, parent_slots[..., None].expand(-1, -1, outputs[-1].shape[-1])
-                )
-            # Frontier nodes keep the same slot layout in every request, but their parents differ.
-            run_parents = torch.where(parent_slots >= 0, (step - 2) * k + parent_slots, NO_PARENT)  # [B, K]
-            h = self._run_level(slots, frontier_tokens, features, drafted, run_parents, step)
-            outputs.append(h)
-            log_probs = self._log_probs(h.flatten(0, 1), widen=processed)
-            if processed:
-                tokens, parents = frontier_tokens.tolist(), parent_slots.tolist()
-                paths.append([[(paths[-1][b][p] if step > 1 else []) + [t] for t, p in zip(tokens[b], parents[b], strict=True)]
-                              for b in range(len(ids))])  # fmt: skip
-                flat = [path for per_request in paths[-1] for path in per_request]
-                log_probs = process_draft(
-                    log_probs, requests, [b for b in range(len(ids)) for _ in range(k)], flat
-                )
-            return log_probs.view(len(ids), k, -1)
-
-        roots = torch.tensor([r.tokens[-1] for r in requests], device=device)
+        level = _Levels(requests, [self._slot[r.request_id] for r in requests], root_features, processed)
+        roots = torch.tensor([r.tokens[-1] for r in requests], device=root_features.device)
         return build_dynamic_tree(  # expand returns log_softmax outputs: no need to check them
             roots,
             root_logprobs,
-            expand,
-            top_k=k,
+            functools.partial(self._expand, level),
+            top_k=self.top_k,
             depth=depth,
-            num_nodes=num_nodes,
+            num_nodes=min(self.total_tokens, dynamic_capacity(self.top_k, depth)),
             check=False,
             token_ids=None if processed else self._column_ids,
         )
+
+    def _expand(
+        self, level: _Levels, step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor
+    ) -> torch.Tensor:
+        """The tree builder's expansion ``step``: run the frontier [B, K] through the head, each
+        node from its parent's output in the previous expansion (the root's feature at step 1);
+        the log-probs of their children [B, K, V'], after the processors where requests have them."""
+        k, batch = self.top_k, len(level.requests)
+        if step == 1:
+            features = level.root_features[:, None].expand(-1, k, -1)
+        else:
+            previous = level.outputs[-1]
+            features = previous.gather(1, parent_slots[..., None].expand(-1, -1, previous.shape[-1]))
+        # Frontier nodes keep the same slot layout in every request, but their parents differ.
+        run_parents = torch.where(parent_slots >= 0, (step - 2) * k + parent_slots, NO_PARENT)  # [B, K]
+        h = self._run_level(level.slots, frontier_tokens, features, level.drafted, run_parents, step)
+        level.outputs.append(h)
+        log_probs = self._log_probs(h.flatten(0, 1), widen=level.processed)
+        if level.processed:
+            flat = level.extend_paths(frontier_tokens.tolist(), parent_slots.tolist(), step)
+            log_probs = process_draft(
+                log_probs, level.requests, [b for b in range(batch) for _ in range(k)], flat
+            )
+        return log_probs.view(batch, k, -1)
 
     def _run_level(
         self,
@@ -428,3 +423,31 @@ def _follow_target(head: EagleHead, target_model: PreTrainedModel) -> EagleHead:
     if weight.dtype == target_model.dtype and weight.device == target_model.device:
         return head
     return copy.deepcopy(head).to(device=target_model.device, dtype=target_model.dtype)
+
+
+@dataclass
+class _Levels:
+    """What one tree's expansions share: the requests, their head-cache slots, the root features,
+    per request the ancestor-and-self relation among the nodes run so far (``drafted``, [B, N, N]
+    per expansion), the head's outputs per expansion [B, K, H], and with processors each frontier
+    node's path from the root."""
+
+    requests: list[ProposalRequest]
+    slots: list[int]
+    root_features: torch.Tensor
+    processed: bool
+    drafted: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    paths: list[list[list[list[int]]]] = field(default_factory=list)  # per expansion, request, slot
+
+    def __post_init__(self) -> None:
+        device = self.root_features.device
+        self.drafted.append(torch.zeros(len(self.requests), 0, 0, dtype=torch.bool, device=device))
+
+    def extend_paths(self, tokens: list[list[int]], parents: list[list[int]], step: int) -> list[list[int]]:
+        """This expansion's paths (each parent's path, then the node's token), flattened."""
+        self.paths.append([
+            [(self.paths[-1][b][p] if step > 1 else []) + [t] for t, p in zip(tokens[b], parents[b], strict=True)]
+            for b in range(len(tokens))
+        ])  # fmt: skip
+        return [path for per_request in self.paths[-1] for path in per_request]

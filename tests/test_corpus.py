@@ -306,3 +306,31 @@ def test_follow_ups_extend_answered_conversations(smol_tokenizer, tiny_chat, tmp
     assert (
         corpus_module.synthesize_follow_ups(tiny_chat, smol_tokenizer, tmp_path, config, progress=False) == []
     )
+
+
+def test_features_of_only_the_greedy_or_only_the_sampled_answers(tmp_path):
+    """--answers keeps the sequences answered at the chosen kind of decoding (by each record's
+    stored temperature; none stored means greedy), records the choice, and never resumes a folder
+    with another one."""
+    model = build("llama")
+    answers = _answers(model)
+    for i, a in enumerate(answers):
+        if i % 3 == 0:
+            a["temperature"] = 0.7
+        elif i % 3 == 1:
+            a["temperature"] = 0.0
+    for selection, want in (("sampled", [0, 3]), ("greedy", [1, 2, 4, 5]), ("all", list(range(6)))):
+        folder = tmp_path / selection
+        write_features(
+            model, answers, folder, feature_layers=LAYERS, answers_selection=selection, progress=False
+        )
+        data = HeadDataset(folder, model)
+        assert data.manifest["answers"] == selection
+        assert sorted(i for s in data.manifest["shards"] for i in s["prompt_ids"]) == want
+    with pytest.raises(ValueError, match="features of greedy answers, not sampled.*--answers"):
+        write_features(model, answers, tmp_path / "greedy", feature_layers=LAYERS, answers_selection="sampled",
+                       progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="answers must be one of all, greedy, sampled, got 'hot'"):
+        write_features(
+            model, answers, tmp_path / "hot", feature_layers=LAYERS, answers_selection="hot", progress=False
+        )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from treespec import models
 from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
+from treespec.presets import ANSWER_SELECTIONS
 from treespec.prompts import BENCH_PROMPTS, encode_prompts
 from treespec.target.linear import LINEAR_BACKENDS
 
@@ -413,6 +414,11 @@ def _add_features_stage(stages: argparse._SubParsersAction) -> None:
         "--eagle3", action="store_true", help="also store EAGLE-3's three-layer features (4x the disk)"
     )
     feats.add_argument(
+        "--answers", choices=ANSWER_SELECTIONS, default="all",
+        help="which answers' sequences: all, only the greedy or only the sampled ones (a folder per choice, to "
+        "compare heads trained on each; default: %(default)s)",
+    )  # fmt: skip
+    feats.add_argument(
         "--batch-tokens", type=int, default=4096, help="positions per forward (default: %(default)s)"
     )
     _dtype_option(feats, "fp32", help="the target's dtype in its teacher-forced forwards (bf16: the features "
@@ -582,7 +588,7 @@ def _train_heads_features(args: argparse.Namespace) -> int:
     dev = {r["id"] for r in read_records(corpus / PROMPTS) if r.get("split") == "dev"}
     layers = default_feature_layers(model.config.get_text_config().num_hidden_layers)
     manifest = write_features(model, [a for a in answers if a["id"] not in dev], args.out, feature_layers=layers,
-                              eagle3=args.eagle3, batch_tokens=args.batch_tokens)  # fmt: skip
+                              eagle3=args.eagle3, answers_selection=args.answers, batch_tokens=args.batch_tokens)  # fmt: skip
     tokens = sum(s["tokens"] for s in manifest["shards"])
     answer_tokens = sum(s["answer_tokens"] for s in manifest["shards"])
     print(f"{args.out}: {tokens} positions with hidden states, {answer_tokens} of them answer tokens")

@@ -32,3 +32,7 @@ DRAFT_VOCAB = 8192
 # Context tokens per request (prompt + output) when nobody says how many; a shorter model
 # context wins (treespec.target.cache.default_max_len).
 DEFAULT_MAX_LEN = 4096
+
+# Which of the corpus's answers a features folder holds (train-heads features --answers): every
+# one, only those answered greedily, or only the sampled ones.
+ANSWER_SELECTIONS = ("all", "greedy", "sampled")

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from treespec.api import generate
-from treespec.presets import DEFAULT_MAX_LEN
+from treespec.presets import ANSWER_SELECTIONS, DEFAULT_MAX_LEN
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -270,9 +270,23 @@ def mapped_tensors(path: Path) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 
 
-def _features_manifest(folder: Path, model: PreTrainedModel, feature_layers, eagle3: bool) -> dict:
+def select_answers(answers: list[dict], selection: str) -> list[dict]:
+    """The answer records whose sequences a data folder holds: ``all``, only the ``greedy`` ones
+    (answered at temperature 0) or only the ``sampled`` ones, by the temperature each record
+    stores (a record without one was answered greedily)."""
+    if selection not in ANSWER_SELECTIONS:
+        raise ValueError(f"answers must be one of {', '.join(ANSWER_SELECTIONS)}, got {selection!r}")
+    if selection == "all":
+        return answers
+    sampled = selection == "sampled"
+    return [a for a in answers if (a.get("temperature", 0.0) > 0) == sampled]
+
+
+def _features_manifest(
+    folder: Path, model: PreTrainedModel, feature_layers, eagle3: bool, selection: str
+) -> dict:
     """The folder's manifest, new or resumed; a folder written by another target, with the
-    other EAGLE-3 choice or in another dtype is refused by name."""
+    other EAGLE-3 choice, in another dtype or of another answer selection is refused by name."""
     described = target_description(model, tuple(feature_layers))
     manifest = _read_manifest(folder)
     dtype = str(model.dtype).removeprefix("torch.")
@@ -283,6 +297,7 @@ def _features_manifest(folder: Path, model: PreTrainedModel, feature_layers, eag
             "target_dtype": dtype,
             "features": eagle3,
             "source": "answers",
+            "answers": selection,
             "shards": [],
         }
     else:
@@ -293,6 +308,9 @@ def _features_manifest(folder: Path, model: PreTrainedModel, feature_layers, eag
         if manifest.get("target_dtype", "float32") != dtype:
             raise ValueError(f"{folder} holds features of a {manifest.get('target_dtype', 'float32')} target; "
                              f"this target runs in {dtype}: pass the same --dtype to resume, or use another folder")  # fmt: skip
+        if manifest.get("answers", "all") != selection:
+            raise ValueError(f"{folder} holds the features of {manifest.get('answers', 'all')} answers, not {selection}: "
+                             f"pass the same --answers to resume, or use another folder")  # fmt: skip
     return manifest
 
 
@@ -303,6 +321,7 @@ def write_features(
     *,
     feature_layers: tuple[int, int, int],
     eagle3: bool = False,
+    answers_selection: str = "all",
     batch_tokens: int = 4096,
     shard_tokens: int = 65536,
     max_len: int = DEFAULT_MAX_LEN,
@@ -314,10 +333,13 @@ def write_features(
     Only what the heads need is kept: the final hidden state always (EAGLE-1, Medusa, the draft's
     distillation target), the three EAGLE-3 layers only with ``eagle3``. Records a finished shard
     holds are skipped, so the stage resumes after a kill and grows with the answers file. Sequences
-    of similar length run together, padded, ``batch_tokens`` positions per forward."""
+    of similar length run together, padded, ``batch_tokens`` positions per forward.
+    ``answers_selection`` (``select_answers``) keeps only the greedy or only the sampled answers,
+    and is recorded: a folder is never resumed with another."""
+    answers = select_answers(answers, answers_selection)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    manifest = _features_manifest(folder, model, feature_layers, eagle3)
+    manifest = _features_manifest(folder, model, feature_layers, eagle3, answers_selection)
     done = {i for shard in manifest["shards"] for i in shard["prompt_ids"]}
     todo = [a for a in answers if a["id"] not in done and a["answer"]]
     todo = [a for a in todo if len(a["prompt"]) + len(a["answer"]) <= max_len]

@@ -1,6 +1,7 @@
 """A head's learning curve: train it on nested subsets of one data folder, measure each with
 ``treespec bench`` (batch 1, a fixed tree of 31 drafted nodes at T=0, and each further
-``--settings`` entry: nodes:temperature) on held-out prompts.
+``--settings`` entry: nodes:temperature) on held-out prompts. ``--kind draft --draft-layers N``
+trains a draft model of the target's first N layers (the head-size axis).
 
     python scripts/learning_curve.py --data runs/data --points 50000,200000,1000000 \\
         --prompts ../shared/data/prompts/spec_bench/question_no_mtbench.jsonl --per-category 4
@@ -151,6 +152,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--draft-layers", type=int, default=TrainConfig.draft_layers,
+                        help="draft model: the target's first N layers (the head-size axis)")  # fmt: skip
     parser.add_argument("--prompts", default=None, help="bench prompts (default: treespec's own)")
     parser.add_argument("--per-category", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -185,7 +188,7 @@ def main() -> None:
         if not (folder / "report.json").is_file():
             config = TrainConfig(kind=args.kind, epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps,
                                  data_tokens=point, eval_prompts=0, checkpoint_every=args.checkpoint_every,
-                                 precision=args.precision)  # fmt: skip
+                                 precision=args.precision, draft_layers=args.draft_layers)  # fmt: skip
             train(config, model, data, folder, resume=(folder / CHECKPOINT).is_file())
         report = json.loads((folder / "report.json").read_text())
         if not (folder / "measured.json").is_file():  # written last: a kill before it measures again

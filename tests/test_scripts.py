@@ -100,6 +100,26 @@ def test_learning_curve_trains_nested_points_measures_them_and_skips_what_the_da
         run_script("learning_curve", argv + ["--settings", "40:0"], monkeypatch)
 
 
+def test_learning_curve_of_a_draft_model_at_a_chosen_number_of_layers(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    prompts = tiny_model_data_and_prompts(tmp_path)
+
+    def argv(layers: int, out: str) -> list[str]:
+        return ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"), "--out", str(tmp_path / out),
+                "--kind", "draft", "--draft-layers", str(layers), "--points", "10", "--epochs", "1",
+                "--prompts", prompts, "--per-category", "1", "--new-tokens", "4"]  # fmt: skip
+
+    run_script("learning_curve", argv(1, "curve"), monkeypatch)
+    assert (
+        json.loads((tmp_path / "curve" / "draft-10" / "head" / "config.json").read_text())["num_layers"] == 1
+    )
+    (point,) = json.loads((tmp_path / "curve" / "curve.json").read_text())["points"]
+    assert point["tau"] >= 1 and point["identical_to_reference"] == 1.0
+    # the tiny target has 2 layers: a draft as deep as its target is refused by name
+    with pytest.raises(ValueError, match="num_layers < the target's 2 layers"):
+        run_script("learning_curve", argv(2, "deep"), monkeypatch)
+
+
 def test_eagle_kinds_trains_both_kinds_point_by_point_and_draws_them_together(tmp_path):
     import subprocess
 

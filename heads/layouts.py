@@ -138,35 +138,38 @@ def export_published_medusa(
     return folder
 
 
-def load_published_eagle(folder: str | Path) -> EagleHead:
-    """An EAGLE-1 or EAGLE-3 head from its published layout (sizes from ``config.json``)."""
-    folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
-    eagle3 = published_layout(folder) == "eagle3"
+def _published_eagle_config(config: dict, eagle3: bool) -> EagleConfig:
+    """The head's sizes from a published ``config.json``."""
     aux = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids"
     )
     heads = int(config["num_attention_heads"])
     draft_vocab = config.get("draft_vocab_size") if eagle3 else None
-    head = EagleHead(
-        EagleConfig(
-            hidden_size=int(config["hidden_size"]),
-            vocab_size=int(config["vocab_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            intermediate_size=int(config["intermediate_size"]),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_parameters=_rope_parameters(config),
-            max_position_embeddings=int(config.get("max_position_embeddings", DEFAULT_MAX_LEN)),
-            hidden_act=config.get("hidden_act", "silu"),
-            eagle3=eagle3,
-            feature_layers=tuple(aux or ()),
-            draft_vocab_size=None if draft_vocab in (None, config["vocab_size"]) else int(draft_vocab),
-            fc_bias=bool(config.get("bias", False)) and not eagle3,
-            attention_bias=bool(config.get("attention_bias", False)),
-        )
+    return EagleConfig(
+        hidden_size=int(config["hidden_size"]),
+        vocab_size=int(config["vocab_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+        intermediate_size=int(config["intermediate_size"]),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_parameters=_rope_parameters(config),
+        max_position_embeddings=int(config.get("max_position_embeddings", DEFAULT_MAX_LEN)),
+        hidden_act=config.get("hidden_act", "silu"),
+        eagle3=eagle3,
+        feature_layers=tuple(aux or ()),
+        draft_vocab_size=None if draft_vocab in (None, config["vocab_size"]) else int(draft_vocab),
+        fc_bias=bool(config.get("bias", False)) and not eagle3,
+        attention_bias=bool(config.get("attention_bias", False)),
     )
+
+
+def load_published_eagle(folder: str | Path) -> EagleHead:
+    """An EAGLE-1 or EAGLE-3 head from its published layout (sizes from ``config.json``)."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    eagle3 = published_layout(folder) == "eagle3"
+    head = EagleHead(_published_eagle_config(config, eagle3))
     state = _read_eagle_weights(folder)
     ours: dict[str, torch.Tensor] = {}
     missing: list[str] = []

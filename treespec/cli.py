@@ -217,12 +217,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     option("baselines", type=_csv(str),
            help="comma list of hf (HF generate), hf-pld (prompt lookup), hf-assisted (shipped draft)")  # fmt: skip
-    option("prompts", help="JSON lines (the prompt is turns[0], question or prompt; category groups them) or one "
-           f"prompt per line (default: treespec's own {len(BENCH_PROMPTS)} prompts in "
-           f"{len({c for c, _ in BENCH_PROMPTS})} categories)")  # fmt: skip
-    option("num_prompts", type=int, help="use the first N prompts (default: all)")
-    option("per_category", type=int, help="use the first N prompts of each category (default: all)")
-    option("max_new_tokens", type=int, help="tokens generated per prompt")
+    _add_bench_prompt_options(option)
     option("dtype", choices=sorted(models.DTYPES), help="the target's dtype")
     option("temperature", type=float, help="0: greedy")
     option("repetition_penalty", type=float,
@@ -241,6 +236,15 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     option("device", choices=["cpu", "cuda"], help="where the models run")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.set_defaults(handler=_bench)
+
+
+def _add_bench_prompt_options(option: Callable[..., None]) -> None:
+    option("prompts", help="JSON lines (the prompt is turns[0], question or prompt; category groups them) or one "
+           f"prompt per line (default: treespec's own {len(BENCH_PROMPTS)} prompts in "
+           f"{len({c for c, _ in BENCH_PROMPTS})} categories)")  # fmt: skip
+    option("num_prompts", type=int, help="use the first N prompts (default: all)")
+    option("per_category", type=int, help="use the first N prompts of each category (default: all)")
+    option("max_new_tokens", type=int, help="tokens generated per prompt")
 
 
 def _add_bench_backend_options(option: Callable[..., None]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,24 +90,17 @@ class SamplingParams:
         )
 
     def _check_processors(self) -> None:
-        def number(name: str, value, ok, expected: str) -> None:
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or not ok(value)
-            ):
-                raise ValueError(f"{name} must be {expected}, got {value!r}")
-
-        number("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "a number > 0 (1.0: off)")
-        number("frequency_penalty", self.frequency_penalty, lambda v: True, "a finite number (0: off)")
-        number("presence_penalty", self.presence_penalty, lambda v: True, "a finite number (0: off)")
+        _check_number(
+            "repetition_penalty", self.repetition_penalty, lambda v: v > 0, "a number > 0 (1.0: off)"
+        )
+        _check_number("frequency_penalty", self.frequency_penalty, lambda v: True, "a finite number (0: off)")
+        _check_number("presence_penalty", self.presence_penalty, lambda v: True, "a finite number (0: off)")
         for name in ("no_repeat_ngram_size", "min_new_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0 (0: off), got {value!r}")
         if self.min_p is not None:
-            number("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1] or None")
+            _check_number("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1] or None")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         bias = self.logit_bias
@@ -116,8 +110,11 @@ class SamplingParams:
         ):
             raise ValueError(f"logit_bias must map token ids (ints >= 0) to numbers, got {bias!r}")
         for _, value in pairs:
-            number("a logit_bias value", value, lambda v: True, "a finite number")
+            _check_number("a logit_bias value", value, lambda v: True, "a finite number")
         object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in pairs))
+        self._check_token_lists()
+
+    def _check_token_lists(self) -> None:
         words = self.bad_words_ids
         if not isinstance(words, (list, tuple)) or not all(
             isinstance(w, (list, tuple)) and w and all(_is_token(t) for t in w) for w in words
@@ -131,6 +128,16 @@ class SamplingParams:
             if not isinstance(value, (list, tuple)) or not all(_is_token(t) for t in value):
                 raise ValueError(f"{name} must be a list of token ids (ints >= 0), got {value!r}")
             object.__setattr__(self, name, tuple(value))
+
+
+def _check_number(name: str, value, ok: Callable[[float], bool], expected: str) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not ok(value)
+    ):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
 def _is_token(value) -> bool:

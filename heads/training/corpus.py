@@ -528,6 +528,13 @@ def _pending_answers(
     return [(r, ids) for r, ids in encoded if len(ids) <= config.max_prompt_tokens], total
 
 
+def _answer_sampling(record_id: int, config: AnswerConfig) -> SamplingParams:
+    """Sampled at ``config.temperature`` for the ``sampled_share`` of ids a seeded hash picks, else greedy."""
+    if _share(record_id, config.seed) < config.sampled_share:
+        return SamplingParams(config.temperature)
+    return SamplingParams()
+
+
 def write_answers(
     model: PreTrainedModel | Target,
     tokenizer,
@@ -548,11 +555,7 @@ def write_answers(
     bar = tqdm(total=config.answer_tokens or len(encoded) * config.max_new_tokens, initial=total,
                desc="answering", unit="tok", smoothing=0, disable=not progress)  # fmt: skip
     start, new_tokens, buffer = time.perf_counter(), 0, []
-    samplings = [
-        SamplingParams(config.temperature) if _share(r["id"], config.seed) < config.sampled_share
-        else SamplingParams()
-        for r, _ in encoded
-    ]  # fmt: skip
+    samplings = [_answer_sampling(record["id"], config) for record, _ in encoded]
 
     def flush():
         _append(answers_path, buffer)

@@ -28,15 +28,19 @@ def median_ms(run, repeats: int, setup=None) -> float:
     return 1e3 * median_seconds(run, repeats, warmup=0, setup=setup or (lambda: None))
 
 
-@torch.inference_mode()
-def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+def _arguments(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--sizes", default="1,16")
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("bench_results/bench_compile.json"))
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    args = _arguments(argv, prog)
     model, _ = models.load(args.model, dtype=torch.bfloat16)
     vocab = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)

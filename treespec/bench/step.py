@@ -338,27 +338,8 @@ def plot(report: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
-    backends = report["target"]["backends"]
-    for batch in report["config"]["batches"]:
-        for backend in backends:
-            rows = [r for r in report["forward"]
-                    if r["batch"] == batch and f"{r['linear_backend']}+{r['attention_backend']}" == backend]  # fmt: skip
-            xs = [r["new_per_request"] for r in rows]
-            name = f"treespec {backend}" if len(backends) > 1 else "treespec"
-            (line,) = left.plot(xs, [r["treespec_ms"] for r in rows], marker="o", label=f"{name} B={batch}")
-        left.plot(
-            xs, [r["hf_ms"] for r in rows], "--", marker="x", color=line.get_color(), label=f"HF B={batch}"
-        )
-    left.set(xlabel="new tokens per request", ylabel="ms per forward")
-    left.set_title(f"forward, {report['config']['context']}-token context")
-    for kind in dict.fromkeys(r["proposer"] for r in report["propose"]):
-        for batch in report["config"]["batches"]:
-            rows = [r for r in report["propose"] if r["proposer"] == kind and r["batch"] == batch]
-            right.plot(
-                [r["budget"] for r in rows], [r["ms"] for r in rows], marker="o", label=f"{kind} B={batch}"
-            )
-    right.set(xlabel="drafted nodes per request (budget)", ylabel="ms per propose call")
-    right.set_title("drafting")
+    _plot_forward(left, report)
+    _plot_propose(right, report)
     ticks = (report["config"]["sizes"], report["config"]["budgets"])
     for axis, xs in zip((left, right), ticks, strict=True):
         axis.set_xscale("log", base=2)
@@ -371,6 +352,35 @@ def plot(report: dict, path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _plot_forward(axis, report: dict) -> None:
+    """ms per forward against new tokens per request: treespec solid, HF dashed, a colour per batch."""
+    backends = report["target"]["backends"]
+    for batch in report["config"]["batches"]:
+        for backend in backends:
+            rows = [r for r in report["forward"]
+                    if r["batch"] == batch and f"{r['linear_backend']}+{r['attention_backend']}" == backend]  # fmt: skip
+            xs = [r["new_per_request"] for r in rows]
+            name = f"treespec {backend}" if len(backends) > 1 else "treespec"
+            (line,) = axis.plot(xs, [r["treespec_ms"] for r in rows], marker="o", label=f"{name} B={batch}")
+        axis.plot(
+            xs, [r["hf_ms"] for r in rows], "--", marker="x", color=line.get_color(), label=f"HF B={batch}"
+        )
+    axis.set(xlabel="new tokens per request", ylabel="ms per forward")
+    axis.set_title(f"forward, {report['config']['context']}-token context")
+
+
+def _plot_propose(axis, report: dict) -> None:
+    """ms per propose call against the drafting budget, a line per proposer and batch."""
+    for kind in dict.fromkeys(r["proposer"] for r in report["propose"]):
+        for batch in report["config"]["batches"]:
+            rows = [r for r in report["propose"] if r["proposer"] == kind and r["batch"] == batch]
+            axis.plot(
+                [r["budget"] for r in rows], [r["ms"] for r in rows], marker="o", label=f"{kind} B={batch}"
+            )
+    axis.set(xlabel="drafted nodes per request (budget)", ylabel="ms per propose call")
+    axis.set_title("drafting")
 
 
 def write(report: dict, out: Path, log=print) -> None:
@@ -388,7 +398,7 @@ def _csv(text: str) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in text.split(",") if part)
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+def _arguments(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -414,7 +424,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--full-readout", action="store_true",
                         help="EAGLE-1 heads, Medusa heads and the draft model read out through the whole vocabulary (default: the first "
                         f"{DRAFT_VOCAB} ids, as treespec bench)")  # fmt: skip
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    args = _arguments(argv, prog)
     if args.threads:
         torch.set_num_threads(args.threads)
     names = ("context", "batches", "sizes", "budgets", "proposers", "repeats", "warmup", "attention_backend",

@@ -177,17 +177,8 @@ class DraftModelProposer(Proposer):
             logits = self._score_levels(requests, levels, widen=processed)  # [B, K, V']
             log_probs = torch.log_softmax(logits.float(), -1)
             if processed:
-                tokens, parents = frontier_tokens.tolist(), parent_slots.tolist()
-                paths.append([[(paths[-1][b][p] if step > 1 else []) + [t] for t, p in zip(tokens[b], parents[b], strict=True)]
-                              for b in range(len(requests))])  # fmt: skip
-                flat = [path for per_request in paths[-1] for path in per_request]
-                k = frontier_tokens.shape[1]
-                log_probs = process_draft(
-                    log_probs.flatten(0, 1),
-                    requests,
-                    [b for b in range(len(requests)) for _ in range(k)],
-                    flat,
-                ).view(log_probs.shape)
+                paths.append(_extend_paths(paths[-1] if step > 1 else None, frontier_tokens, parent_slots))
+                log_probs = _process_frontier(log_probs, requests, paths[-1])
             return log_probs
 
         return build_dynamic_tree(  # expand returns log_softmax outputs: no need to check them
@@ -349,3 +340,27 @@ def check_same_vocabulary(target_model: PreTrainedModel, draft_model: PreTrained
             f"the draft's vocabulary ({draft_vocab} tokens) differs from the target's ({target_vocab}); "
             "a draft model must share the target's tokenizer"
         )
+
+
+def _extend_paths(
+    previous: list[list[list[int]]] | None, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor
+) -> list[list[list[int]]]:
+    """Per request, per frontier slot: the drafted path to that slot (its parent's path, then its token)."""
+    tokens, parents = frontier_tokens.tolist(), parent_slots.tolist()
+    return [
+        [
+            (previous[b][p] if previous is not None else []) + [t]
+            for t, p in zip(tokens[b], parents[b], strict=True)
+        ]
+        for b in range(len(tokens))
+    ]
+
+
+def _process_frontier(
+    log_probs: torch.Tensor, requests: list[ProposalRequest], paths: list[list[list[int]]]
+) -> torch.Tensor:
+    """Each frontier node's log-probs [B, K, V'] through its request's processors, on its own path."""
+    k = log_probs.shape[1]
+    flat = [path for per_request in paths for path in per_request]
+    rows = [b for b in range(len(requests)) for _ in range(k)]
+    return process_draft(log_probs.flatten(0, 1), requests, rows, flat).view(log_probs.shape)

@@ -9,7 +9,9 @@ For each head asked for (``--heads KIND=NAME_OR_FOLDER``; KIND is ``eagle``, ``e
    drafted tokens (the shape vLLM drafts), recording the tokens committed per step;
 3. run vLLM's matching drafter (``method`` = KIND, ``num_speculative_tokens`` = ``--chain``) on the
    same token ids, greedy, the same number of new tokens, and read its tokens per step from its
-   counters (1 + accepted / drafts).
+   counters (1 + accepted / drafts);
+4. run each prompt alone in vLLM too, and compare the tokens per step on the prompts the two
+   engines decode to the same text (``same_output_ratio``): there only the export can differ.
 
 vLLM runs in its own interpreter (``--vllm-python``, default: the peers' venv that
 ``../shared/peers/setup.sh`` makes; this script re-enters itself there with ``--vllm-job``, which
@@ -82,7 +84,7 @@ def treespec_chain(
     start = time.perf_counter()
     out = treespec.generate(model, prompts, proposer=proposer, max_new_tokens=new, eos_token_id=eos)
     return {"tokens_per_step": out.stats.tau, "steps": out.stats.steps, "seconds": time.perf_counter() - start,
-            "sequences": out.sequences}  # fmt: skip
+            "sequences": out.sequences, "committed_per_step": out.stats.accepted_lengths}  # fmt: skip
 
 
 def vllm_chain(python: str, job: dict) -> dict:
@@ -99,6 +101,24 @@ def vllm_chain(python: str, job: dict) -> dict:
         return json.loads(out_file.read_text())
 
 
+def same_output_ratio(ours: dict, theirs: dict, same: list[int]) -> float | None:
+    """vLLM's tokens per step over treespec's on the prompts both decoded to the same text (None:
+    none did). There both engines drafted from the same contexts, so only the export can make
+    them differ; elsewhere bf16 rounding sends the texts, and what the head is asked, apart."""
+    per_prompt = theirs.get("per_prompt")
+    if not per_prompt:
+        return None
+    same = [i for i in same if per_prompt[i]["sequence"] == ours["sequences"][i]]  # alone, too
+    if not same:
+        return None
+    drafts = sum(per_prompt[i]["drafts"] for i in same)
+    if not drafts:
+        return None
+    vllm = 1 + sum(per_prompt[i]["accepted"] for i in same) / drafts
+    steps = [n for i in same for n in ours["committed_per_step"][i][:-1]]  # the last step drafts less
+    return vllm / (sum(steps) / len(steps)) if steps else None
+
+
 def run_vllm_job(job_file: str) -> None:
     """In vLLM's interpreter: greedy decoding with the exported head; counters to JSON."""
     from vllm import LLM, SamplingParams
@@ -111,16 +131,27 @@ def run_vllm_job(job_file: str) -> None:
         speculative_config={"method": job["method"], "model": job["head"], "num_speculative_tokens": job["chain"]},
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=job["new"], stop_token_ids=job["eos"])
+
+    def counters() -> tuple[float, float, float]:
+        values = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        names = ("drafts", "accepted_tokens", "draft_tokens")
+        return tuple(values.get(f"vllm:spec_decode_num_{name}") or 0 for name in names)
+
     start = time.perf_counter()
     outs = llm.generate(
         [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False
     )
     seconds = time.perf_counter() - start
-    counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    drafts = counters.get("vllm:spec_decode_num_drafts") or 0
-    accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
+    drafts, accepted, draft_tokens = counters()
+    per_prompt = []  # each prompt alone, its counters' deltas: the same text gives the same drafts
+    for ids in job["prompts"]:
+        before = counters()
+        (alone,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        after = counters()
+        per_prompt.append({"drafts": after[0] - before[0], "accepted": after[1] - before[1],
+                           "sequence": list(alone.outputs[0].token_ids)})  # fmt: skip
     report = {"tokens_per_step": 1 + accepted / drafts if drafts else None, "drafts": drafts, "accepted": accepted,
-              "draft_tokens": counters.get("vllm:spec_decode_num_draft_tokens"), "seconds": seconds,
+              "draft_tokens": draft_tokens, "seconds": seconds, "per_prompt": per_prompt,
               "sequences": [list(o.outputs[0].token_ids) for o in outs]}  # fmt: skip
     Path(job["out"]).write_text(json.dumps(report))
 
@@ -188,11 +219,17 @@ def main(argv: list[str] | None = None) -> dict:
             theirs = vllm_chain(args.vllm_python, job)
             entry["vllm"] = theirs
             entry["vllm_over_treespec"] = theirs["tokens_per_step"] / ours["tokens_per_step"]
-            entry["identical_outputs"] = sum(
-                a == b for a, b in zip(ours["sequences"], theirs["sequences"], strict=True)
-            )
+            same = [
+                i
+                for i, (a, b) in enumerate(zip(ours["sequences"], theirs["sequences"], strict=True))
+                if a == b
+            ]
+            entry["identical_outputs"] = len(same)
+            entry["same_output_ratio"] = same_output_ratio(ours, theirs, same)
             line += (f", vLLM {theirs['tokens_per_step']:.3f} ({entry['vllm_over_treespec']:.3f}x); "
-                     f"outputs identical {entry['identical_outputs']}/{len(prompts)}")  # fmt: skip
+                     f"outputs identical {len(same)}/{len(prompts)}")  # fmt: skip
+            if entry["same_output_ratio"] is not None:
+                line += f" ({entry['same_output_ratio']:.3f}x on those)"
         print(line)
         report["heads"][kind] = entry
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -285,14 +285,16 @@ def test_serve_check_without_vllm_says_what_to_install(tmp_path, monkeypatch):
                     reason="vLLM's CPU build is not installed (../shared/peers/setup.sh)")  # fmt: skip
 def test_serve_check_against_vllm(tmp_path, monkeypatch):
     """Where vLLM's CPU build is installed: the shipped EAGLE head, exported, drafts in vLLM with
-    the tokens per step treespec gets from it (within 5 %). Four prompts of 64 tokens: with two of
-    32 the requests' last steps (which draft fewer tokens in treespec's count) alone moved the
-    ratio 7.5 % on identical outputs."""
+    the tokens per step treespec gets from it (within 5 %) on the prompts the two engines decode to
+    the same text. Over all prompts the ratio is not the export's: where bf16 rounding sends the
+    texts apart the head is asked other questions, and four prompts moved it 0.93-1.07x between
+    runs of the same head. Eight prompts of 64 tokens, so some decode alike."""
     out = tmp_path / "serve.json"
-    run_script("serve_check", ["--heads", "eagle=smollm2-135m-instruct-eagle", "--n", "4", "--new", "64",
+    run_script("serve_check", ["--heads", "eagle=smollm2-135m-instruct-eagle", "--n", "8", "--new", "64",
                                "--out", str(tmp_path / "exported"), "--json", str(out)], monkeypatch)  # fmt: skip
     entry = json.loads(out.read_text())["heads"]["eagle"]
-    assert abs(entry["vllm_over_treespec"] - 1) <= 0.05, entry
+    assert entry["same_output_ratio"] is not None, f"no prompt decoded alike in both engines: {entry}"
+    assert abs(entry["same_output_ratio"] - 1) <= 0.05, entry["same_output_ratio"]
 
 
 def test_bench_head_cost_times_each_head_kind_at_both_budgets(tmp_path, monkeypatch):

@@ -101,22 +101,19 @@ def vllm_chain(python: str, job: dict) -> dict:
         return json.loads(out_file.read_text())
 
 
-def same_output_ratio(ours: dict, theirs: dict, same: list[int]) -> float | None:
-    """vLLM's tokens per step over treespec's on the prompts both decoded to the same text (None:
-    none did). There both engines drafted from the same contexts, so only the export can make
-    them differ; elsewhere bf16 rounding sends the texts, and what the head is asked, apart."""
-    per_prompt = theirs.get("per_prompt")
-    if not per_prompt:
-        return None
-    same = [i for i in same if per_prompt[i]["sequence"] == ours["sequences"][i]]  # alone, too
-    if not same:
-        return None
-    drafts = sum(per_prompt[i]["drafts"] for i in same)
-    if not drafts:
-        return None
-    vllm = 1 + sum(per_prompt[i]["accepted"] for i in same) / drafts
-    steps = [n for i in same for n in ours["committed_per_step"][i][:-1]]  # the last step drafts less
-    return vllm / (sum(steps) / len(steps)) if steps else None
+def same_output_ratio(ours: dict, theirs: dict) -> tuple[float | None, int]:
+    """vLLM's tokens per step over treespec's on the prompts whose vLLM run alone decoded to
+    treespec's text (None: none did), and how many did. There both engines drafted from the same contexts, so only
+    the export can make them differ; elsewhere bf16 rounding sends the texts, and what the head is
+    asked, apart. treespec's last step per prompt, which drafts fewer tokens, is left out."""
+    alone = theirs.get("per_prompt") or []
+    same = [i for i, run in enumerate(alone) if run["sequence"] == ours["sequences"][i]]
+    drafts = sum(alone[i]["drafts"] for i in same)
+    steps = [n for i in same for n in ours["committed_per_step"][i][:-1]]
+    if not drafts or not steps:
+        return None, len(same)
+    vllm = 1 + sum(alone[i]["accepted"] for i in same) / drafts
+    return vllm / (sum(steps) / len(steps)), len(same)
 
 
 def run_vllm_job(job_file: str) -> None:
@@ -219,17 +216,16 @@ def main(argv: list[str] | None = None) -> dict:
             theirs = vllm_chain(args.vllm_python, job)
             entry["vllm"] = theirs
             entry["vllm_over_treespec"] = theirs["tokens_per_step"] / ours["tokens_per_step"]
-            same = [
-                i
-                for i, (a, b) in enumerate(zip(ours["sequences"], theirs["sequences"], strict=True))
-                if a == b
-            ]
-            entry["identical_outputs"] = len(same)
-            entry["same_output_ratio"] = same_output_ratio(ours, theirs, same)
+            entry["identical_outputs"] = sum(
+                a == b for a, b in zip(ours["sequences"], theirs["sequences"], strict=True)
+            )
+            entry["same_output_ratio"], entry["identical_alone"] = same_output_ratio(ours, theirs)
             line += (f", vLLM {theirs['tokens_per_step']:.3f} ({entry['vllm_over_treespec']:.3f}x); "
-                     f"outputs identical {len(same)}/{len(prompts)}")  # fmt: skip
+                     f"outputs identical {entry['identical_outputs']}/{len(prompts)}")  # fmt: skip
             if entry["same_output_ratio"] is not None:
-                line += f" ({entry['same_output_ratio']:.3f}x on those)"
+                line += (
+                    f"; {entry['same_output_ratio']:.3f}x on the {entry['identical_alone']} alike run alone"
+                )
         print(line)
         report["heads"][kind] = entry
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -232,6 +232,28 @@ def test_ship_heads_trains_benches_and_ships_the_three_kinds_and_resumes(tmp_pat
     assert run.returncode == 1 and "fewer than 100000 answer tokens" in run.stderr
 
 
+def test_serve_check_compares_tokens_per_step_only_where_both_engines_wrote_the_same_text():
+    """same_output_ratio keeps the prompts whose vLLM run alone matched treespec's text, drops
+    treespec's last step of each, and is None when no prompt matched."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_check", SCRIPTS / "serve_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ours = {"sequences": [[1, 2, 3], [4, 5], [6]], "committed_per_step": [[2, 3, 1], [4, 1], [9, 9]]}
+    alone = [
+        {"sequence": [1, 2, 3], "drafts": 4, "accepted": 6},  # alike: 1 + 6/4 = 2.5
+        {"sequence": [4, 7], "drafts": 50, "accepted": 0},  # differs: left out
+        {"sequence": [6], "drafts": 1, "accepted": 3},
+    ]  # alike: 1 + 9/5 = 2.8 over both
+    ours_steps = (2 + 3 + 9) / 3  # the last step of each alike prompt left out
+    ratio, alike = module.same_output_ratio(ours, {"per_prompt": alone})
+    assert ratio == pytest.approx(2.8 / ours_steps) and alike == 2
+    alone[0]["sequence"] = alone[2]["sequence"] = [0]
+    assert module.same_output_ratio(ours, {"per_prompt": alone}) == (None, 0)
+    assert module.same_output_ratio(ours, {}) == (None, 0)  # a report without per-prompt runs
+
+
 def test_serve_check_exports_each_kind_and_reads_it_back(tmp_path, monkeypatch, capsys):
     """scripts/serve_check.py without vLLM (--no-vllm, as CI has none): each kind is written in
     the published layout vLLM reads, loaded back from there, and decodes the target's own greedy

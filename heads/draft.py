@@ -35,7 +35,8 @@ def make_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:num_layers]
-    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    # on the target's device: its layers run beside the tables it shares (a GPU target's included)
+    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype).to(target.device)
     state = {k: v for k, v in target.state_dict().items() if k in draft.state_dict() and not _shared(k)}
     draft.load_state_dict(state, strict=False)
     _share_tables(draft, target)

@@ -242,8 +242,8 @@ class EagleProposer(Proposer):
 
     def _draft(self, requests: list[ProposalRequest], root_features: torch.Tensor, depth: int) -> TokenTree:
         """One EAGLE-2 tree of ``depth`` levels per request, all of them the same depth."""
-        if depth < 1:
-            return TokenTree.roots([r.tokens[-1] for r in requests])
+        if depth < 1:  # on the features' device: concat joins it to the drafted groups' trees
+            return TokenTree.roots([r.tokens[-1] for r in requests]).to(root_features.device)
         processed = any(r.sampling.has_processors for r in requests)
         root_logprobs = self._log_probs(root_features, widen=processed)  # [B, V']
         if processed:  # the requests' processors steer the drafts too, each node on its own path

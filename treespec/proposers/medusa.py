@@ -91,7 +91,7 @@ class MedusaProposer(Proposer):
         weight = next(self.heads.parameters())
         roots = torch.tensor([r.tokens[-1] for r in requests], device=weight.device)
         if depth < 1:
-            return TokenTree.roots([r.tokens[-1] for r in requests])
+            return TokenTree.roots([r.tokens[-1] for r in requests]).to(weight.device)
         shape = self.shape.cut(depth)
         hidden = torch.stack([self._hidden[r.request_id] for r in requests])  # [B, H]
         logits = self.heads(hidden.to(weight.dtype), self.lm_head)  # [B, K, V] (or the read-out's rows)

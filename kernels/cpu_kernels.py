@@ -25,6 +25,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -161,6 +162,8 @@ def build_library(
             if result.returncode != 0:
                 return None, f"building {SOURCE.name} failed: {result.stderr.strip()[-500:]}"
             os.replace(built, library)  # atomic: a concurrent build never sees half a file
+        # once per source, compiler and flags: the installed package's own folder is never written
+        print(f"treespec: built its CPU kernels from {SOURCE} into {library}", file=sys.stderr)
     except subprocess.TimeoutExpired:
         return None, f"building {SOURCE.name} took over {BUILD_TIMEOUT_S:g} s ({compiler})"
     except OSError as error:  # an unwritable or full cache directory, a compiler that cannot start

@@ -7,9 +7,13 @@ do not pay for importing transformers.
 from __future__ import annotations
 
 import importlib
+from importlib import metadata
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+try:  # one place for the version: pyproject.toml, read back from the installed package's metadata
+    __version__ = metadata.version("treespec")
+except metadata.PackageNotFoundError:  # the sources on sys.path, never installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {
     "generate": "treespec.api",

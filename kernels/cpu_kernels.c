@@ -1336,3 +1336,6 @@ double treespec_peak_flops(int isa, int64_t iterations) {
     if (isa == ISA_AMX) return (double)threads * (double)(iterations / 64) * 4.0 * 16384.0 / seconds;
     return (double)threads * (double)iterations * 12.0 * (isa == ISA_AVX512_BF16 ? 64.0 : 16.0) / seconds;
 }
+
+/* An EAGLE tree in one call: its own file, one translation unit with this one (one build). */
+#include "draft_tree.c"

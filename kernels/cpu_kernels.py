@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# the files SOURCE includes: one translation unit, one build; a change to any of them rebuilds
+INCLUDED = (Path(__file__).with_name("draft_tree.c"),)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
 LIBS = ["-lm"]
 
@@ -148,7 +150,7 @@ def build_library(
     if compiler is None:
         return None, "no C compiler (cc or gcc) on PATH"
     flags = [*FLAGS, *extra_flags]
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (SOURCE, *INCLUDED))
     digest = hashlib.sha256(source + " ".join([compiler, *flags, *LIBS]).encode()).hexdigest()[:16]
     library = _cache_dir() / f"{name}_{digest}.so"
     if library.exists():
@@ -221,6 +223,18 @@ def load_library(
         + [ctypes.c_int64, ctypes.c_void_p]
     )
     lib.treespec_decoder_bf16.restype = ctypes.c_int
+    lib.treespec_eagle_tree_bf16.argtypes = (
+        [ctypes.c_void_p] * 4
+        + [ctypes.c_int64] * 5
+        + [ctypes.c_float] * 2
+        + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        + [ctypes.c_void_p] * 4
+        + [ctypes.c_int64] * 3
+        + [ctypes.c_void_p] * 4
+        + [ctypes.c_int64] * 3
+        + [ctypes.c_void_p] * 5
+    )
+    lib.treespec_eagle_tree_bf16.restype = ctypes.c_int
     lib.treespec_set_isa.argtypes = [ctypes.c_int]
     lib.treespec_set_isa(ISAS[_chosen_isa()])  # _chosen_isa asked Linux for AMX's tiles where it picks amx
     return lib, ""
@@ -284,18 +298,21 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.to(x.dtype)
 
 
-def linear_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_unchecked(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool = False
+) -> torch.Tensor:
     """:func:`linear_bf16` without its checks, for a caller that has made them: the kernel is
     available, ``weight`` (and ``bias``) are contiguous bf16 CPU tensors, ``x`` is a bf16 or fp32
-    CPU tensor whose last dimension is ``weight``'s second. The per-call cost is a few
-    microseconds: a layer calls it for every row count of every step."""
+    CPU tensor whose last dimension is ``weight``'s second. The output has ``x``'s dtype, or fp32
+    with ``fp32_out`` (the sums unrounded). The per-call cost is a few microseconds: a layer
+    calls it for every row count of every step."""
     rows = x.contiguous()
-    out = torch.empty(x.shape[:-1] + weight.shape[:1], dtype=x.dtype)
+    out = torch.empty(x.shape[:-1] + weight.shape[:1], dtype=torch.float32 if fp32_out else x.dtype)
     bf16 = x.dtype is torch.bfloat16
     n, k = weight.shape
     code = _load()[0].treespec_linear_bf16(rows.data_ptr(), bf16, weight.data_ptr(),
-                                           bias if bias is None else bias.data_ptr(), out.data_ptr(), bf16,
-                                           rows.numel() // k, n, k)  # fmt: skip
+                                           bias if bias is None else bias.data_ptr(), out.data_ptr(),
+                                           out.dtype is torch.bfloat16, rows.numel() // k, n, k)  # fmt: skip
     _raise_on_failure(code, f"the linear layer over {rows.numel() // k} rows x {n} outputs")
     return out
 
@@ -391,6 +408,46 @@ def decoder_bf16(
         row_new.data_ptr(), None if mask is None else mask.data_ptr(), words, layer_out,
     )  # fmt: skip
     _raise_on_failure(code, f"the fused decoder over {num_rows} rows and a cache of {max_len} positions")
+
+
+def eagle_tree_bf16(
+    head: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, ctypes.Array],
+    dims: tuple[int, int, int, int, int],
+    eps: float,
+    sm_scale: float,
+    readout: torch.Tensor,
+    column_ids: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    shape: tuple[int, int, int],
+) -> tuple[torch.Tensor, ...]:
+    """One EAGLE-2 tree per request in one call (``treespec_eagle_tree_bf16`` in
+    ``draft_tree.c``). ``head``: (embeddings [vocab, H], fc weight [H, 2H], fc bias or None,
+    the decoder layer's pointer table); ``dims`` (hidden, MLP width, query heads, KV heads, head
+    dim); ``readout`` [V, H] and ``column_ids`` [V] long or None; ``cos``, ``sin`` [B, depth - 1,
+    D]; ``rows``: per request its cache slot, committed length, root token (long) and root
+    feature [B, H]; ``shape``: (top_k, depth, num_nodes). Returns tokens, parents, depths [B * n]
+    long, the mask [B * n, W] int32 and the scores [B * n] fp32 (n = num_nodes + 1). Raw
+    pointers: :class:`treespec.target.fused.FusedEagleLayer` lays out and checks every argument."""
+    embed, fc_weight, fc_bias, table = head
+    slots, committed, roots, root_h = rows
+    top_k, depth, num_nodes = shape
+    batch, kept = len(slots), num_nodes + 1
+    tokens, parents, depths = (torch.empty(batch * kept, dtype=torch.long) for _ in range(3))
+    mask = torch.empty(batch * kept, (kept + 31) // 32, dtype=torch.int32)
+    scores = torch.empty(batch * kept)
+    code = _load()[0].treespec_eagle_tree_bf16(
+        embed.data_ptr(), fc_weight.data_ptr(), None if fc_bias is None else fc_bias.data_ptr(), table, *dims,
+        eps, sm_scale, readout.data_ptr(), readout.shape[0], None if column_ids is None else column_ids.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1], keys.shape[3], batch,
+        slots.data_ptr(), committed.data_ptr(), roots.data_ptr(), root_h.data_ptr(), top_k, depth, num_nodes,
+        tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), mask.data_ptr(), scores.data_ptr(),
+    )  # fmt: skip
+    _raise_on_failure(code, f"an EAGLE tree of {num_nodes} nodes for {batch} requests")
+    return tokens, parents, depths, mask, scores
 
 
 def peak_flops(road: str, iterations: int = 20_000_000) -> float:

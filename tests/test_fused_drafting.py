@@ -41,7 +41,7 @@ def test_the_fused_eagle_layer_agrees_with_the_heads_modules(road):  # noqa: F81
     model, head = bf16_pair(std=0.2)
     fused = EagleProposer(head, model, top_k=3, depth=3, total_tokens=7, fused=True)
     modules = EagleProposer(head, model, top_k=3, depth=3, total_tokens=7, fused=False)
-    assert (fused.path, modules.path) == ("fused", "modules")
+    assert (fused.path, modules.path) == ("native tree", "modules")
     torch.manual_seed(0)
     hidden_size = model.config.hidden_size
     features = [torch.randn(n, hidden_size).to(torch.bfloat16) for n in (9, 6, 2, 3)]
@@ -88,7 +88,9 @@ def test_fused_drafting_keeps_plain_decodings_tokens(readout, road):  # noqa: F8
     for name, make in makers.items():
         for batch in (1, 3):
             proposer = make()
-            assert all(path == "fused" for path in proposer.drafting_paths().values()), name
+            assert set(proposer.drafting_paths().values()) == {
+                "native tree" if name != "draft" else "fused"
+            }, name
             out = treespec.generate(model, PROMPTS[:batch], max_new_tokens=14, proposer=proposer,
                                     prefill_chunk_size=4)  # fmt: skip
             assert out.sequences == want[:batch], (name, batch)
@@ -180,3 +182,50 @@ def test_a_fused_level_that_would_write_past_the_drafters_cache_is_refused():
     ]
     with pytest.raises(ValueError, match="more exceed the cache length"):
         draft._score_levels(requests, levels)
+
+
+@needs_kernels
+@pytest.mark.parametrize("readout", [None, range(64)])
+def test_a_native_tree_is_the_tree_the_fused_levels_build(readout, road):  # noqa: F811
+    """One C call per tree (levels, top-k, scores, rerank inside) against the fused layer run
+    level by level with the tree built in PyTorch: the same tokens, parents, depths and masks for
+    every shape, two requests of different lengths, and the head's cache left as it was."""
+    model, head = bf16_pair(seed=3, std=0.2)
+    torch.manual_seed(0)
+    features = [torch.randn(n, model.config.hidden_size).to(torch.bfloat16) for n in (13, 8)]
+    for top_k, depth, nodes in [(3, 4, 9), (2, 3, 5), (4, 5, 20), (3, 1, 3), (8, 6, 31)]:
+        trees, lengths = [], []
+        for native in (True, False):
+            p = EagleProposer(head, model, top_k=top_k, depth=depth, total_tokens=nodes, readout_ids=readout,
+                              native=native)  # fmt: skip
+            p.observe_prefill(0, list(range(10, 22)), features[0][:12])
+            p.observe_prefill(1, list(range(40, 47)), features[1][:7])
+            p._pending[0], p._pending[1] = [([22], features[0][12:])], [([47], features[1][7:])]
+            trees.append(p.propose(requests_of([list(range(10, 23)), list(range(40, 48))])))
+            lengths.append(list(p.cache.lengths))
+        native, levels = trees
+        assert native.host.sizes == (nodes + 1, nodes + 1)
+        for name in ("tokens", "parents", "depth", "cu_nodes", "tree_mask"):
+            assert torch.equal(getattr(native, name), getattr(levels, name)), (top_k, depth, nodes, name)
+        assert lengths[0] == lengths[1]
+        native.validate()
+
+
+@needs_kernels
+def test_the_native_tree_falls_back_to_the_fused_levels_and_says_why():
+    """native=False, requests with processors and a head off the fused layer: each drafts level by
+    level (the same output) and the proposer names its path; native=True refuses what it cannot
+    serve."""
+    model, head = bf16_pair()
+    off = EagleProposer(head, model, top_k=2, depth=3, total_tokens=5, native=False)
+    assert (off.path, off.drafting_paths()) == ("fused", {"eagle head": "fused (native=False)"})
+    with pytest.raises(ValueError, match="native=True: the head does not run through the fused layer"):
+        EagleProposer(head, model, top_k=2, depth=3, total_tokens=5, fused=False, native=True)
+    modules = EagleProposer(head, model, top_k=2, depth=3, total_tokens=5, fused=False)
+    assert (modules.path, modules.native) == ("modules", False)
+    want = treespec.generate(model, PROMPTS[:2], max_new_tokens=10, repetition_penalty=1.3).sequences
+    native = EagleProposer(head, model, top_k=2, depth=3, total_tokens=5)
+    calls = []
+    native._draft_native = lambda *args: calls.append(args)  # processors: never the native tree
+    out = treespec.generate(model, PROMPTS[:2], max_new_tokens=10, repetition_penalty=1.3, proposer=native)
+    assert out.sequences == want and not calls and out.stats.drafted_nodes > 0

@@ -17,8 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import treespec
-from treespec import models
+from treespec import __version__, models
 from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
 from treespec.presets import ANSWER_SELECTIONS
 from treespec.prompts import BENCH_PROMPTS, encode_prompts
@@ -35,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="treespec", description="Tree speculative decoding for HF causal LMs."
     )
-    parser.add_argument("--version", action="version", version=f"treespec {treespec.__version__}")
+    parser.add_argument("--version", action="version", version=f"treespec {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_models_parser(subparsers)
     _add_bench_parser(subparsers)

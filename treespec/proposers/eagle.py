@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from treespec.target.fused import (
 from treespec.tree import (
     NO_PARENT,
     TokenTree,
+    TreeHost,
     build_dynamic_tree,
     check_dynamic_budget,
     dynamic_capacity,
@@ -80,6 +82,7 @@ class EagleProposer(Proposer):
         linear_backend: str = "auto",
         readout_ids: Sequence[int] | torch.Tensor | None = None,
         fused: bool | None = None,
+        native: bool | None = None,
     ) -> None:
         """``total_tokens`` drafted nodes at most (the root not counted), ``depth`` levels, each
         expansion keeping the ``top_k`` best children of the ``top_k`` best frontier nodes.
@@ -102,7 +105,13 @@ class EagleProposer(Proposer):
         saying once why not elsewhere; True: required (refused with the reason); False: off.
         ``path`` and ``path_reason`` say which ran. Trees differ from the modules' only where
         the last bits (RMSNorm's and the attention's summation orders) tip a near tie; the output
-        is the target's either way."""
+        is the target's either way.
+
+        ``native``: on the fused layer, draft each tree in one C call (levels, top-k, scores and
+        the rerank inside: :meth:`FusedEagleLayer.draft_tree`) instead of one call per pass with
+        the tree built by PyTorch operators. None (the default): wherever the fused layer runs
+        and no request has processors; True: required; False: off. The same tree but for near
+        ties (log-softmax's last bit)."""
         config = head.config
         target_config = target_model.config.get_text_config()
         target = TargetShape.of(target_model)
@@ -128,7 +137,12 @@ class EagleProposer(Proposer):
         self.fused, self.path_reason = _fused_layer(
             head, self.lm_head.weight, fused, backend, attention_backend
         )
-        self.path = "fused" if self.fused is not None else "modules"
+        self.native = _native_tree(self.fused, native, self.embed.weight)
+        if self.native and self._column_ids is not None:
+            self._column_ids = self._column_ids.long().contiguous()  # what the C tree reads
+        self.path = "native tree" if self.native else "fused" if self.fused is not None else "modules"
+        if self.fused is not None and not self.native:
+            self.path_reason = "native=False" if native is False else _native_refusal(self.embed.weight)
         self.max_context = max_len or default_max_len(getattr(target_config, "max_position_embeddings", None))
         drafted = 1 + (depth - 1) * top_k  # nodes run through the head per step, root pair included
         self.cache = KVCache(
@@ -228,8 +242,8 @@ class EagleProposer(Proposer):
         """Log-probabilities over the read-out's columns [T, V'] (their ids: ``_column_ids``),
         or with ``widen`` over the target's vocabulary [T, V] (-inf outside a reduced read-out),
         what the requests' processors read."""
-        if self.fused is not None:  # an EAGLE-1 read-out: the kernel, without the module's checks
-            logits = cpu_kernels.linear_unchecked(h, self.lm_head.weight, None)
+        if self.fused is not None:  # an EAGLE-1 read-out: the kernel, fp32 sums as the native tree reads them
+            logits = cpu_kernels.linear_unchecked(h, self.lm_head.weight, None, fp32_out=True)
         elif self.readout_ids is not None:
             logits = self.lm_head(h)
         else:
@@ -245,6 +259,8 @@ class EagleProposer(Proposer):
         if depth < 1:  # on the features' device: concat joins it to the drafted groups' trees
             return TokenTree.roots([r.tokens[-1] for r in requests]).to(root_features.device)
         processed = any(r.sampling.has_processors for r in requests)
+        if self.native and not processed:
+            return self._draft_native(requests, root_features, depth)
         root_logprobs = self._log_probs(root_features, widen=processed)  # [B, V']
         if processed:  # the requests' processors steer the drafts too, each node on its own path
             root_logprobs = process_draft(root_logprobs, requests, range(len(requests)), [[]] * len(requests))
@@ -260,6 +276,21 @@ class EagleProposer(Proposer):
             check=False,
             token_ids=None if processed else self._column_ids,
         )
+
+    def _draft_native(
+        self, requests: list[ProposalRequest], root_features: torch.Tensor, depth: int
+    ) -> TokenTree:
+        """The same tree as :meth:`_draft` in one C call (``FusedEagleLayer.draft_tree``): every
+        level, the top-k, the scores and the rerank inside, the head's weights hot in cache."""
+        num_nodes = min(self.total_tokens, dynamic_capacity(self.top_k, depth))
+        tokens, parents, depths, mask, _ = self.fused.draft_tree(
+            self.embed.weight, self.lm_head.weight, self._column_ids, self.cache,
+            [self._slot[r.request_id] for r in requests], [r.tokens[-1] for r in requests],
+            root_features, (self.top_k, depth, num_nodes),
+        )  # fmt: skip
+        kept, batch = num_nodes + 1, len(requests)
+        host = TreeHost((kept,) * batch, depth, max_children=self.top_k)
+        return TokenTree(tokens, parents, depths, torch.arange(batch + 1) * kept, mask, None, host)
 
     def _expand(
         self, level: _Levels, step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor
@@ -413,6 +444,25 @@ def _fused_layer(
     if env_refusal() is None and weight.dtype is torch.bfloat16 and weight.device.type == "cpu":
         say_once(f"treespec drafts with the EAGLE head through its modules, not the fused layer: {refusal}")
     return None, refusal
+
+
+def _native_refusal(embed: torch.Tensor) -> str | None:
+    """Why a head on the fused layer still drafts level by level, or None."""
+    if os.environ.get("TREESPEC_NATIVE_TREE", "1").strip().lower() in ("0", "false", "off"):
+        return "turned off by TREESPEC_NATIVE_TREE=0"
+    if not (embed.dtype is torch.bfloat16 and embed.is_contiguous()):
+        return "the target's embeddings are not contiguous bf16"
+    return None
+
+
+def _native_tree(fused: FusedEagleLayer | None, native: bool | None, embed: torch.Tensor) -> bool:
+    """Whether trees are drafted in one C call: ``native`` as EagleProposer takes it."""
+    if native is False:
+        return False
+    refusal = "the head does not run through the fused layer" if fused is None else _native_refusal(embed)
+    if refusal is not None and native:
+        raise ValueError(f"native=True: {refusal}")
+    return refusal is None
 
 
 def _follow_target(head: EagleHead, target_model: PreTrainedModel) -> EagleHead:

@@ -172,8 +172,9 @@ def level_rows(
 
 
 def describe_path(path: str, reason: str) -> str:
-    """ "fused", or "modules (why)": how ``treespec bench`` names what ran a model."""
-    return path if path == "fused" else f"modules ({reason})" if reason else "modules"
+    """ "native tree", "fused", "modules", each with "(why)" where it is not the fastest path
+    there could be: how ``treespec bench`` names what ran a model or drafter."""
+    return f"{path} ({reason})" if reason else path
 
 
 class FusedDecoder:
@@ -350,3 +351,37 @@ class FusedEagleLayer:
         run_stack(x, self._table, None, 1, self.shape, self.eps, self.sm_scale, cos, sin, cache, rows, tree_mask,
                   self._no_outs)  # fmt: skip
         return x
+
+    def draft_tree(
+        self,
+        embed: torch.Tensor,
+        readout: torch.Tensor,
+        column_ids: torch.Tensor | None,
+        cache: object,
+        slots: list[int],
+        roots: list[int],
+        root_h: torch.Tensor,
+        shape: tuple[int, int, int],
+    ) -> tuple[torch.Tensor, ...]:
+        """An EAGLE-2 tree per request in one C call (``kernels/draft_tree.c``): every level's
+        pass as :meth:`forward` computes it, the read-out ``readout`` [V, H] (columns' tokens
+        ``column_ids``, None: column c is token c), log-softmax, top-k, the frontier and the
+        rerank inside. ``embed`` the target's input embeddings, ``root_h`` [B, H] the head's
+        outputs at the roots, ``shape`` (top_k, depth, num_nodes). Level s of request b runs at
+        position committed + s - 1, its K/V written past the committed length (nothing is
+        committed). Returns tokens, parents, depths [B * n], the mask [B * n, W] and the scores
+        (n = num_nodes + 1)."""
+        top_k, depth, _ = shape
+        levels = depth - 1
+        for slot in slots:
+            cache.check_room(slot, levels * top_k)
+        committed = torch.tensor([cache.lengths[s] for s in slots], dtype=torch.long)
+        positions = (committed[:, None] + torch.arange(max(levels, 1))).flatten()
+        cos, sin = rotary_tables(
+            self.head.rotary, root_h.new_empty(len(positions), 0), positions, self.shape[-1]
+        )
+        head = (embed, *self.fc, self._table)
+        rows = (torch.tensor(slots, dtype=torch.long), committed, torch.tensor(roots, dtype=torch.long),
+                root_h.contiguous())  # fmt: skip
+        return cpu_kernels.eagle_tree_bf16(head, self.shape, self.eps, self.sm_scale, readout, column_ids, cos, sin,
+                                           cache.keys, cache.values, rows, shape)  # fmt: skip

@@ -1,0 +1,220 @@
+/* An EAGLE-2 tree drafted whole: one call per tree (EAGLE-1 heads). Part of the kernel library:
+ * cpu_kernels.c includes this file, so it shares that file's linear layer, decoder stack and
+ * exponential, and the library stays one build.
+ *
+ * What Python did per level (embedding rows, fc, the rotary tables, the decoder layer, the
+ * read-out, log-softmax, top-k, cumulative scores, the next frontier, the ancestor masks) and
+ * once per tree (the rerank to the tree's size, its masks) runs here with no PyTorch operator in
+ * between, so the head's 17 MB of weights stay in the last-level cache from level to level and a
+ * level costs its arithmetic plus a few microseconds.
+ *
+ * The arithmetic is the fused EAGLE path's (treespec.target.fused.FusedEagleLayer): the same fc,
+ * decoder layer and read-out calls on the same rows, so the head's outputs and the read-out's
+ * fp32 logits are the same bits; log-softmax sums with exp8 instead of PyTorch's exponential, so
+ * scores can differ in their last bit and a near tie between two candidates can fall the other
+ * way. The target verifies whatever is drafted: the output never depends on it.
+ *
+ * The tree (tree/builders.py, build_dynamic_tree): the root's top-k children are the first
+ * frontier; each of depth - 1 expansions runs the k frontier nodes of every request through the
+ * head (K/V written past the request's committed length at run index (level - 1) * k + slot,
+ * attending to the context and their run ancestors), gives each its top-k children (score: the
+ * parent's plus the child's log-prob) and keeps the best k of the k * k as the next frontier.
+ * Every drafted node is then reranked by (score desc, drafting order) and the best num_nodes + 1
+ * kept (the root first: scores only fall along a path, so the kept set is closed under
+ * ancestors), in drafting order. */
+
+/* max + log(sum exp(v - max)) over a row of n logits: exp8 in eight lanes, summed in a fixed order. */
+static float log_sum_exp(const float *v, int64_t n) {
+    float top = v[0];
+    int64_t i = 0;
+    if (n >= 8) {
+        __m256 m = _mm256_loadu_ps(v);
+        for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(v + i));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m);
+        for (int j = 0; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
+    }
+    for (; i < n; i++) top = v[i] > top ? v[i] : top;
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 acc = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), shift)));
+    float sum = lanes_sum(acc);
+    if (i < n) {
+        float in[8], out[8];
+        for (int64_t j = i; j < n; j++) in[j - i] = v[j] - top;
+        exp_run(in, out, n - i);
+        for (int64_t j = 0; j < n - i; j++) sum += out[j];
+    }
+    return top + logf(sum); /* sum >= 1 (the maximum's own term): every log-prob is <= 0 */
+}
+
+/* The k largest of v[0 .. n-1] by (value desc, index asc), best first. */
+static void top_k(const float *v, int64_t n, int64_t k, int64_t *index, float *value) {
+    int64_t filled = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float x = v[i];
+        if (filled == k && !(x > value[k - 1])) continue; /* a tie keeps the earlier index */
+        int64_t p = filled < k ? filled++ : k - 1;
+        for (; p > 0 && x > value[p - 1]; p--) {
+            value[p] = value[p - 1];
+            index[p] = index[p - 1];
+        }
+        value[p] = x;
+        index[p] = i;
+    }
+}
+
+/* Each of `rows` rows of logits [rows, V]: its top k columns (best first) and their log-probs. */
+static void rows_top_k(const float *logits, int64_t rows, int64_t V, int64_t k, int64_t *index, float *logprob) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *row = logits + t * V;
+        top_k(row, V, k, index + t * k, logprob + t * k);
+        const float lse = log_sum_exp(row, V);
+        for (int64_t j = 0; j < k; j++) logprob[t * k + j] -= lse;
+    }
+}
+
+/* treespec_eagle_tree_bf16: B requests' trees of num_nodes drafted nodes each.
+ *
+ * The head: embed [vocab, H] (the target's input embeddings), fc [H, 2H] and its bias (or NULL)
+ * over [embedding; feature], `layer` the decoder layer's W_COUNT pointers (as treespec_decoder_bf16
+ * reads them, no input norm), its sizes (H, I, Hq, Hkv, D), eps and sm_scale; the read-out
+ * [V, H] (the target's LM head, or the rows of a reduced draft vocabulary) and column_ids [V]
+ * (the token of each column; NULL: column c is token c). cos, sin [B, depth - 1, D]: the rotary
+ * rows of each request's expansion levels (level s at position committed + s - 1). The head's
+ * KV cache [S, Hkv, L, D] (one layer), each request's slot and committed length, its root token
+ * and root feature root_h [B, H] (the head's output at the root's pair).
+ *
+ * Out, per request b at b * (num_nodes + 1): tokens, parents (within the tree, -1 at the root),
+ * depths, the ancestor-and-self mask [num_nodes + 1, W] (W = ceil((num_nodes + 1) / 32) words),
+ * and, where `scores` is not NULL, each node's cumulative log-prob. Needs
+ * 1 <= num_nodes <= k + (depth - 1) k^2, k <= V and room for (depth - 1) k rows past every
+ * committed length (the caller checks). Returns 0, or TREESPEC_NO_MEMORY (the tree not written). */
+int treespec_eagle_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const uint16_t *fc_b,
+                             const void *const *layer, int64_t H, int64_t I, int64_t Hq, int64_t Hkv, int64_t D,
+                             float eps, float sm_scale, const uint16_t *readout, int64_t V, const int64_t *column_ids,
+                             const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache, int64_t S,
+                             int64_t L, int64_t B, const int64_t *slots, const int64_t *committed, const int64_t *roots,
+                             const uint16_t *root_h, int64_t k, int64_t depth, int64_t num_nodes, int64_t *tokens,
+                             int64_t *parents, int64_t *depths, int32_t *mask, float *scores) {
+    const int64_t T = B * k, levels = depth - 1, run = levels * k; /* rows per level; nodes run per request */
+    const int64_t P = 1 + k + levels * k * k, kept = num_nodes + 1; /* drafted nodes per request, root included */
+    const int64_t RW = run > 0 ? (run + 31) / 32 : 1, W = (kept + 31) / 32;
+    const int64_t rows_out = B > T ? B : T;
+    /* one block for everything: bf16 rows, fp32 logits, the pool, the frontier, the masks */
+    const size_t bytes = sizeof(uint16_t) * (T * 2 * H + 2 * T * H + 2 * T * D) + sizeof(float) * rows_out * V +
+                         sizeof(int64_t) * (4 * T + rows_out * k + 3 * B * P + 3 * T) +
+                         sizeof(float) * (rows_out * k + B * P + T) + sizeof(int32_t) * (T * RW) +
+                         sizeof(uint32_t) * (B * run * RW + kept * W) + 64 * 16;
+    char *block = malloc(bytes), *next = block;
+    if (!block) return TREESPEC_NO_MEMORY;
+#define TAKE(type, count) ((type *)(next = (char *)(((uintptr_t)(next) + 63) & ~(uintptr_t)63) + sizeof(type) * (count)) - (count))
+    uint16_t *x_in = TAKE(uint16_t, T * 2 * H), *h = TAKE(uint16_t, T * H), *h_prev = TAKE(uint16_t, T * H);
+    uint16_t *cos_l = TAKE(uint16_t, T * D), *sin_l = TAKE(uint16_t, T * D);
+    float *logits = TAKE(float, rows_out * V), *child_lp = TAKE(float, rows_out * k);
+    int64_t *row_slot = TAKE(int64_t, T), *row_prefix = TAKE(int64_t, T), *row_index = TAKE(int64_t, T),
+            *row_new = TAKE(int64_t, T), *child = TAKE(int64_t, rows_out * k);
+    int64_t *pool_tok = TAKE(int64_t, B * P), *pool_parent = TAKE(int64_t, B * P), *pool_depth = TAKE(int64_t, B * P);
+    float *pool_score = TAKE(float, B * P), *f_score = TAKE(float, T);
+    int64_t *f_id = TAKE(int64_t, T), *f_tok = TAKE(int64_t, T), *f_slot = TAKE(int64_t, T);
+    int32_t *level_mask = TAKE(int32_t, T * RW);
+    uint32_t *anc = TAKE(uint32_t, B * run * RW), *bits = TAKE(uint32_t, kept * W);
+#undef TAKE
+    uint16_t *no_out[1] = {0};
+#define COLUMN(c) (column_ids ? column_ids[c] : (c))
+
+    /* the root's children: the first frontier */
+    int code = treespec_linear_bf16(root_h, 1, readout, 0, logits, 0, B, V, H);
+    if (code) goto done;
+    rows_top_k(logits, B, V, k, child, child_lp);
+    for (int64_t b = 0; b < B; b++) {
+        int64_t *tok = pool_tok + b * P, *par = pool_parent + b * P, *dep = pool_depth + b * P;
+        float *sc = pool_score + b * P;
+        tok[0] = roots[b], par[0] = -1, dep[0] = 0, sc[0] = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t f = b * k + j;
+            tok[1 + j] = f_tok[f] = COLUMN(child[f]);
+            sc[1 + j] = f_score[f] = child_lp[f];
+            par[1 + j] = 0, dep[1 + j] = 1;
+            f_id[f] = 1 + j, f_slot[f] = -1;
+        }
+    }
+    int64_t first_id = 1 + k;
+    for (int64_t s = 1; s <= levels; s++) { /* run the depth-s frontier; draft depth s + 1 */
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t b = t / k, j = t % k, r = (s - 1) * k + j;
+            memcpy(x_in + t * 2 * H, embed + f_tok[t] * H, sizeof(uint16_t) * H);
+            const uint16_t *feature = s == 1 ? root_h + b * H : h_prev + (b * k + f_slot[t]) * H;
+            memcpy(x_in + t * 2 * H + H, feature, sizeof(uint16_t) * H);
+            memcpy(cos_l + t * D, cos + (b * levels + s - 1) * D, sizeof(uint16_t) * D);
+            memcpy(sin_l + t * D, sin + (b * levels + s - 1) * D, sizeof(uint16_t) * D);
+            row_slot[t] = slots[b], row_prefix[t] = committed[b], row_index[t] = r, row_new[t] = s * k;
+            uint32_t *mine = anc + (b * run + r) * RW;
+            if (s == 1)
+                memset(mine, 0, sizeof(uint32_t) * RW);
+            else
+                memcpy(mine, anc + (b * run + (s - 2) * k + f_slot[t]) * RW, sizeof(uint32_t) * RW);
+            mine[r >> 5] |= 1u << (r & 31);
+            memcpy(level_mask + t * RW, mine, sizeof(uint32_t) * RW);
+        }
+        /* the fused EAGLE layer's three calls: fc, the decoder layer over the head's cache, the read-out */
+        if ((code = treespec_linear_bf16(x_in, 1, fc_w, fc_b, h, 1, T, H, 2 * H)) ||
+            (code = treespec_decoder_bf16(h, layer, 0, 1, T, H, I, Hq, Hkv, D, eps, sm_scale, cos_l, sin_l, k_cache,
+                                          v_cache, S, L, row_slot, row_prefix, row_index, row_new, level_mask, RW,
+                                          no_out)) ||
+            (code = treespec_linear_bf16(h, 1, readout, 0, logits, 0, T, V, H)))
+            goto done; /* out of memory: nothing committed, the tree not written */
+        rows_top_k(logits, T, V, k, child, child_lp);
+        for (int64_t b = 0; b < B; b++) {
+            int64_t *tok = pool_tok + b * P, *par = pool_parent + b * P, *dep = pool_depth + b * P;
+            float *sc = pool_score + b * P;
+            for (int64_t c = 0; c < k * k; c++) { /* child c = i * k + j: rank j under frontier slot i */
+                const int64_t i = c / k, f = b * k + i, id = first_id + c;
+                tok[id] = COLUMN(child[f * k + c % k]);
+                sc[id] = f_score[f] + child_lp[f * k + c % k];
+                par[id] = f_id[f], dep[id] = s + 1;
+            }
+            int64_t best[k];
+            float best_score[k];
+            top_k(sc + first_id, k * k, k, best, best_score);
+            for (int64_t m = 0; m < k; m++) {
+                const int64_t f = b * k + m;
+                f_id[f] = first_id + best[m], f_slot[f] = best[m] / k;
+                f_tok[f] = tok[first_id + best[m]], f_score[f] = best_score[m];
+            }
+        }
+        first_id += k * k;
+        uint16_t *swap = h;
+        h = h_prev, h_prev = swap;
+    }
+#undef COLUMN
+
+    /* the rerank: the best num_nodes + 1 of each request's pool, in drafting order */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t *tok = pool_tok + b * P, *par = pool_parent + b * P, *dep = pool_depth + b * P;
+        const float *sc = pool_score + b * P;
+        int64_t chosen[kept], where[P];
+        float chosen_score[kept];
+        top_k(sc, P, kept, chosen, chosen_score);
+        for (int64_t i = 1; i < kept; i++) /* insertion sort into drafting order (kept is small) */
+            for (int64_t p = i; p > 0 && chosen[p - 1] > chosen[p]; p--) {
+                const int64_t swap = chosen[p];
+                chosen[p] = chosen[p - 1], chosen[p - 1] = swap;
+            }
+        for (int64_t p = 0; p < P; p++) where[p] = -1;
+        for (int64_t i = 0; i < kept; i++) where[chosen[i]] = i;
+        memset(bits, 0, sizeof(uint32_t) * kept * W);
+        for (int64_t i = 0; i < kept; i++) {
+            const int64_t node = b * kept + i, id = chosen[i], parent = par[id] < 0 ? -1 : where[par[id]];
+            tokens[node] = tok[id], parents[node] = parent, depths[node] = dep[id];
+            if (scores) scores[node] = sc[id];
+            if (parent >= 0) memcpy(bits + i * W, bits + parent * W, sizeof(uint32_t) * W);
+            bits[i * W + (i >> 5)] |= 1u << (i & 31);
+        }
+        memcpy(mask + b * kept * W, bits, sizeof(uint32_t) * kept * W);
+    }
+done:
+    free(block);
+    return code;
+}

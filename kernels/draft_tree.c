@@ -21,7 +21,13 @@
  * parent's plus the child's log-prob) and keeps the best k of the k * k as the next frontier.
  * Every drafted node is then reranked by (score desc, drafting order) and the best num_nodes + 1
  * kept (the root first: scores only fall along a path, so the kept set is closed under
- * ancestors), in drafting order. */
+ * ancestors), in drafting order.
+ *
+ * Drafting at its floor: before each level, a frontier node whose score is at most the
+ * num_nodes + 1-th best score drafted so far is not run, since none of its descendants can be
+ * kept (their scores are at most its own, and on a tie the earlier id wins); the level stops the
+ * tree when no node is left to run. The tree is the one the full expansion builds, bit for bit;
+ * only the rows that cannot change it are skipped. */
 
 /* max + log(sum exp(v - max)) over a row of n logits: exp8 in eight lanes, summed in a fixed order. */
 static float log_sum_exp(const float *v, int64_t n) {
@@ -104,9 +110,9 @@ int treespec_eagle_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     const int64_t rows_out = B > T ? B : T;
     /* one block for everything: bf16 rows, fp32 logits, the pool, the frontier, the masks */
     const size_t bytes = sizeof(uint16_t) * (T * 2 * H + 2 * T * H + 2 * T * D) + sizeof(float) * rows_out * V +
-                         sizeof(int64_t) * (4 * T + rows_out * k + 3 * B * P + 3 * T) +
-                         sizeof(float) * (rows_out * k + B * P + T) + sizeof(int32_t) * (T * RW) +
-                         sizeof(uint32_t) * (B * run * RW + kept * W) + 64 * 16;
+                         sizeof(int64_t) * (4 * T + rows_out * k + 3 * B * P + 5 * T + P) +
+                         sizeof(float) * (rows_out * k + B * P + T + P) + sizeof(int32_t) * (T * RW) +
+                         sizeof(uint32_t) * (B * run * RW + kept * W) + 64 * 32; /* each TAKE aligns to 64 bytes */
     char *block = malloc(bytes), *next = block;
     if (!block) return TREESPEC_NO_MEMORY;
 #define TAKE(type, count) ((type *)(next = (char *)(((uintptr_t)(next) + 63) & ~(uintptr_t)63) + sizeof(type) * (count)) - (count))
@@ -118,6 +124,8 @@ int treespec_eagle_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     int64_t *pool_tok = TAKE(int64_t, B * P), *pool_parent = TAKE(int64_t, B * P), *pool_depth = TAKE(int64_t, B * P);
     float *pool_score = TAKE(float, B * P), *f_score = TAKE(float, T);
     int64_t *f_id = TAKE(int64_t, T), *f_tok = TAKE(int64_t, T), *f_slot = TAKE(int64_t, T);
+    int64_t *row_of = TAKE(int64_t, T), *prev_row_of = TAKE(int64_t, T), *rank_id = TAKE(int64_t, P);
+    float *rank_score = TAKE(float, P);
     int32_t *level_mask = TAKE(int32_t, T * RW);
     uint32_t *anc = TAKE(uint32_t, B * run * RW), *bits = TAKE(uint32_t, kept * W);
 #undef TAKE
@@ -140,53 +148,68 @@ int treespec_eagle_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
             f_id[f] = 1 + j, f_slot[f] = -1;
         }
     }
-    int64_t first_id = 1 + k;
+    int64_t first_id = 1 + k; /* the pool's next id: every id below it is drafted */
     for (int64_t s = 1; s <= levels; s++) { /* run the depth-s frontier; draft depth s + 1 */
-        for (int64_t t = 0; t < T; t++) {
-            const int64_t b = t / k, j = t % k, r = (s - 1) * k + j;
-            memcpy(x_in + t * 2 * H, embed + f_tok[t] * H, sizeof(uint16_t) * H);
-            const uint16_t *feature = s == 1 ? root_h + b * H : h_prev + (b * k + f_slot[t]) * H;
-            memcpy(x_in + t * 2 * H + H, feature, sizeof(uint16_t) * H);
-            memcpy(cos_l + t * D, cos + (b * levels + s - 1) * D, sizeof(uint16_t) * D);
-            memcpy(sin_l + t * D, sin + (b * levels + s - 1) * D, sizeof(uint16_t) * D);
-            row_slot[t] = slots[b], row_prefix[t] = committed[b], row_index[t] = r, row_new[t] = s * k;
-            uint32_t *mine = anc + (b * run + r) * RW;
-            if (s == 1)
-                memset(mine, 0, sizeof(uint32_t) * RW);
-            else
-                memcpy(mine, anc + (b * run + (s - 2) * k + f_slot[t]) * RW, sizeof(uint32_t) * RW);
-            mine[r >> 5] |= 1u << (r & 31);
-            memcpy(level_mask + t * RW, mine, sizeof(uint32_t) * RW);
+        int64_t rows = 0;
+        for (int64_t b = 0; b < B; b++) {
+            /* A frontier node whose score is at most the kept-th best so far has no descendant
+             * that can be kept (scores only fall, and a later id loses a tie): it is not run, and
+             * the tree is the one the full expansion builds. */
+            float bar = -INFINITY;
+            if (first_id >= kept) {
+                top_k(pool_score + b * P, first_id, kept, rank_id, rank_score);
+                bar = rank_score[kept - 1];
+            }
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t f = b * k + j, r = (s - 1) * k + j, t = rows;
+                row_of[f] = -1;
+                if (!(f_score[f] > bar)) continue;
+                row_of[f] = t, rows++;
+                memcpy(x_in + t * 2 * H, embed + f_tok[f] * H, sizeof(uint16_t) * H);
+                const uint16_t *feature = s == 1 ? root_h + b * H : h_prev + prev_row_of[b * k + f_slot[f]] * H;
+                memcpy(x_in + t * 2 * H + H, feature, sizeof(uint16_t) * H);
+                memcpy(cos_l + t * D, cos + (b * levels + s - 1) * D, sizeof(uint16_t) * D);
+                memcpy(sin_l + t * D, sin + (b * levels + s - 1) * D, sizeof(uint16_t) * D);
+                row_slot[t] = slots[b], row_prefix[t] = committed[b], row_index[t] = r, row_new[t] = s * k;
+                uint32_t *mine = anc + (b * run + r) * RW;
+                if (s == 1)
+                    memset(mine, 0, sizeof(uint32_t) * RW);
+                else
+                    memcpy(mine, anc + (b * run + (s - 2) * k + f_slot[f]) * RW, sizeof(uint32_t) * RW);
+                mine[r >> 5] |= 1u << (r & 31);
+                memcpy(level_mask + t * RW, mine, sizeof(uint32_t) * RW);
+            }
         }
+        if (rows == 0) break; /* no request's tree can change any more */
         /* the fused EAGLE layer's three calls: fc, the decoder layer over the head's cache, the read-out */
-        if ((code = treespec_linear_bf16(x_in, 1, fc_w, fc_b, h, 1, T, H, 2 * H)) ||
-            (code = treespec_decoder_bf16(h, layer, 0, 1, T, H, I, Hq, Hkv, D, eps, sm_scale, cos_l, sin_l, k_cache,
-                                          v_cache, S, L, row_slot, row_prefix, row_index, row_new, level_mask, RW,
-                                          no_out)) ||
-            (code = treespec_linear_bf16(h, 1, readout, 0, logits, 0, T, V, H)))
+        if ((code = treespec_linear_bf16(x_in, 1, fc_w, fc_b, h, 1, rows, H, 2 * H)) ||
+            (code = treespec_decoder_bf16(h, layer, 0, 1, rows, H, I, Hq, Hkv, D, eps, sm_scale, cos_l, sin_l,
+                                          k_cache, v_cache, S, L, row_slot, row_prefix, row_index, row_new,
+                                          level_mask, RW, no_out)) ||
+            (code = treespec_linear_bf16(h, 1, readout, 0, logits, 0, rows, V, H)))
             goto done; /* out of memory: nothing committed, the tree not written */
-        rows_top_k(logits, T, V, k, child, child_lp);
+        rows_top_k(logits, rows, V, k, child, child_lp);
         for (int64_t b = 0; b < B; b++) {
             int64_t *tok = pool_tok + b * P, *par = pool_parent + b * P, *dep = pool_depth + b * P;
             float *sc = pool_score + b * P;
             for (int64_t c = 0; c < k * k; c++) { /* child c = i * k + j: rank j under frontier slot i */
-                const int64_t i = c / k, f = b * k + i, id = first_id + c;
-                tok[id] = COLUMN(child[f * k + c % k]);
-                sc[id] = f_score[f] + child_lp[f * k + c % k];
+                const int64_t i = c / k, f = b * k + i, id = first_id + c, t = row_of[f];
+                tok[id] = t < 0 ? 0 : COLUMN(child[t * k + c % k]);
+                sc[id] = t < 0 ? -INFINITY : f_score[f] + child_lp[t * k + c % k]; /* never kept */
                 par[id] = f_id[f], dep[id] = s + 1;
             }
-            int64_t best[k];
-            float best_score[k];
-            top_k(sc + first_id, k * k, k, best, best_score);
+            top_k(sc + first_id, k * k, k, rank_id, rank_score);
             for (int64_t m = 0; m < k; m++) {
                 const int64_t f = b * k + m;
-                f_id[f] = first_id + best[m], f_slot[f] = best[m] / k;
-                f_tok[f] = tok[first_id + best[m]], f_score[f] = best_score[m];
+                f_id[f] = first_id + rank_id[m], f_slot[f] = rank_id[m] / k;
+                f_tok[f] = tok[first_id + rank_id[m]], f_score[f] = rank_score[m];
             }
         }
         first_id += k * k;
         uint16_t *swap = h;
         h = h_prev, h_prev = swap;
+        int64_t *swap_rows = row_of;
+        row_of = prev_row_of, prev_row_of = swap_rows;
     }
 #undef COLUMN
 
@@ -196,13 +219,13 @@ int treespec_eagle_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
         const float *sc = pool_score + b * P;
         int64_t chosen[kept], where[P];
         float chosen_score[kept];
-        top_k(sc, P, kept, chosen, chosen_score);
+        top_k(sc, first_id, kept, chosen, chosen_score);
         for (int64_t i = 1; i < kept; i++) /* insertion sort into drafting order (kept is small) */
             for (int64_t p = i; p > 0 && chosen[p - 1] > chosen[p]; p--) {
                 const int64_t swap = chosen[p];
                 chosen[p] = chosen[p - 1], chosen[p - 1] = swap;
             }
-        for (int64_t p = 0; p < P; p++) where[p] = -1;
+        for (int64_t p = 0; p < first_id; p++) where[p] = -1;
         for (int64_t i = 0; i < kept; i++) where[chosen[i]] = i;
         memset(bits, 0, sizeof(uint32_t) * kept * W);
         for (int64_t i = 0; i < kept; i++) {

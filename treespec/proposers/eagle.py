@@ -55,6 +55,7 @@ from treespec.tree import (
     NO_PARENT,
     TokenTree,
     TreeHost,
+    budget_top_k,
     build_dynamic_tree,
     check_dynamic_budget,
     dynamic_capacity,
@@ -127,6 +128,7 @@ class EagleProposer(Proposer):
         self.head = linear.module_view(head, backend).eval()
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self._max = (depth, total_tokens)  # set_budget never exceeds what the cache was sized for
+        self._max_top_k = top_k
         self.max_tree_nodes = total_tokens + 1
         self.max_batch_size = max_batch_size
         self.vocab_size = target_vocab
@@ -176,7 +178,9 @@ class EagleProposer(Proposer):
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
         """Draft at most ``num_nodes`` nodes, ``depth`` deep, from the next step on (within the
-        sizes given at construction; see :func:`treespec.tree.fit_dynamic_budget`)."""
+        sizes given at construction; see :func:`treespec.tree.fit_dynamic_budget`), each level
+        expanding :func:`treespec.tree.budget_top_k` frontier nodes."""
+        self.top_k = budget_top_k(self._max_top_k, num_nodes)
         self.depth, self.total_tokens = fit_dynamic_budget(self.top_k, *self._max, num_nodes, depth)
 
     # ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ shapes and the best shape for measured rates), ``builders`` (tokens on a shape o
 
 from treespec.tree.builders import (
     ExpandFn,
+    budget_top_k,
     build_dynamic_tree,
     build_static_tree,
     check_dynamic_budget,
@@ -48,7 +49,7 @@ from treespec.tree.token_tree import TokenTree, TreeHost, host_structure, most_c
 
 __all__ = [
     "BITS_PER_WORD", "NO_PARENT", "PRESETS", "ExpandFn", "Path", "TokenTree", "TreeHost", "TreeShape",
-    "ancestor_bits", "best_paths", "best_tree", "build_dynamic_tree", "build_static_tree", "chain",
+    "ancestor_bits", "best_paths", "budget_top_k", "best_tree", "build_dynamic_tree", "build_static_tree", "chain",
     "chain_mask", "check_dynamic_budget", "dynamic_capacity", "expected_accepted_length", "extend_ancestors",
     "fit_dynamic_budget", "full_tree", "host_structure", "most_children", "pack_ancestor_mask", "pack_bits",
     "words_from_bits",

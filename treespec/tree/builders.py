@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -50,6 +51,15 @@ def fit_dynamic_budget(
     while depth < max_depth and dynamic_capacity(top_k, depth) < nodes:
         depth += 1
     return depth, min(nodes, dynamic_capacity(top_k, depth))
+
+
+def budget_top_k(max_top_k: int, num_nodes: int) -> int:
+    """The frontier width of a dynamic tree of ``num_nodes`` drafted nodes: round(sqrt(2 n)),
+    at most ``max_top_k`` (8 nodes: 4, 16: 6, 31: 8). Every level runs that many nodes through
+    the head; a wider frontier for a small tree costs rows its nodes rarely use (on SmolLM2 with
+    the shipped EAGLE head, 8 nodes at top_k 4 committed 2.19 tokens a step, at top_k 8 2.18,
+    docs/results/2026-12-06-drafting-at-its-floor.md)."""
+    return max(1, min(max_top_k, round(math.sqrt(2 * max(num_nodes, 1)))))
 
 
 def _pack_trees(

@@ -230,7 +230,7 @@ def load_library(
         + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         + [ctypes.c_void_p] * 4
         + [ctypes.c_int64] * 3
-        + [ctypes.c_void_p] * 4
+        + [ctypes.c_void_p] * 5
         + [ctypes.c_int64] * 3
         + [ctypes.c_void_p] * 5
     )
@@ -427,13 +427,13 @@ def eagle_tree_bf16(
     """One EAGLE-2 tree per request in one call (``treespec_eagle_tree_bf16`` in
     ``draft_tree.c``). ``head``: (embeddings [vocab, H], fc weight [H, 2H], fc bias or None,
     the decoder layer's pointer table); ``dims`` (hidden, MLP width, query heads, KV heads, head
-    dim); ``readout`` [V, H] and ``column_ids`` [V] long or None; ``cos``, ``sin`` [B, depth - 1,
-    D]; ``rows``: per request its cache slot, committed length, root token (long) and root
-    feature [B, H]; ``shape``: (top_k, depth, num_nodes). Returns tokens, parents, depths [B * n]
+    dim); ``readout`` [V, H] and ``column_ids`` [V] long or None; ``cos``, ``sin`` [R, D] rotary
+    rows; ``rows``: per request its cache slot, committed length, the rotary row of its first
+    level (level s reads row first + s - 1), root token (long) and root feature [B, H]; ``shape``: (top_k, depth, num_nodes). Returns tokens, parents, depths [B * n]
     long, the mask [B * n, W] int32 and the scores [B * n] fp32 (n = num_nodes + 1). Raw
     pointers: :class:`treespec.target.fused.FusedEagleLayer` lays out and checks every argument."""
     embed, fc_weight, fc_bias, table = head
-    slots, committed, roots, root_h = rows
+    slots, committed, first_row, roots, root_h = rows
     top_k, depth, num_nodes = shape
     batch, kept = len(slots), num_nodes + 1
     tokens, parents, depths = (torch.empty(batch * kept, dtype=torch.long) for _ in range(3))
@@ -443,7 +443,8 @@ def eagle_tree_bf16(
         embed.data_ptr(), fc_weight.data_ptr(), None if fc_bias is None else fc_bias.data_ptr(), table, *dims,
         eps, sm_scale, readout.data_ptr(), readout.shape[0], None if column_ids is None else column_ids.data_ptr(),
         cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1], keys.shape[3], batch,
-        slots.data_ptr(), committed.data_ptr(), roots.data_ptr(), root_h.data_ptr(), top_k, depth, num_nodes,
+        slots.data_ptr(), committed.data_ptr(), first_row.data_ptr(), roots.data_ptr(), root_h.data_ptr(), top_k,
+        depth, num_nodes,
         tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), mask.data_ptr(), scores.data_ptr(),
     )  # fmt: skip
     _raise_on_failure(code, f"an EAGLE tree of {num_nodes} nodes for {batch} requests")

@@ -87,8 +87,8 @@ static void rows_top_k(const float *logits, int64_t rows, int64_t V, int64_t k, 
  * over [embedding; feature], `layer` the decoder layer's W_COUNT pointers (as treespec_decoder_bf16
  * reads them, no input norm), its sizes (H, I, Hq, Hkv, D), eps and sm_scale; the read-out
  * [V, H] (the target's LM head, or the rows of a reduced draft vocabulary) and column_ids [V]
- * (the token of each column; NULL: column c is token c). cos, sin [B, depth - 1, D]: the rotary
- * rows of each request's expansion levels (level s at position committed + s - 1). The head's
+ * (the token of each column; NULL: column c is token c). cos, sin [R, D]: rotary rows, level s
+ * of request b (at position committed + s - 1) reading row first_row[b] + s - 1. The head's
  * KV cache [S, Hkv, L, D] (one layer), each request's slot and committed length, its root token
  * and root feature root_h [B, H] (the head's output at the root's pair).
  *
@@ -101,7 +101,7 @@ int treespec_eagle_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
                              const void *const *layer, int64_t H, int64_t I, int64_t Hq, int64_t Hkv, int64_t D,
                              float eps, float sm_scale, const uint16_t *readout, int64_t V, const int64_t *column_ids,
                              const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache, int64_t S,
-                             int64_t L, int64_t B, const int64_t *slots, const int64_t *committed, const int64_t *roots,
+                             int64_t L, int64_t B, const int64_t *slots, const int64_t *committed, const int64_t *first_row, const int64_t *roots,
                              const uint16_t *root_h, int64_t k, int64_t depth, int64_t num_nodes, int64_t *tokens,
                              int64_t *parents, int64_t *depths, int32_t *mask, float *scores) {
     const int64_t T = B * k, levels = depth - 1, run = levels * k; /* rows per level; nodes run per request */
@@ -168,8 +168,8 @@ int treespec_eagle_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
                 memcpy(x_in + t * 2 * H, embed + f_tok[f] * H, sizeof(uint16_t) * H);
                 const uint16_t *feature = s == 1 ? root_h + b * H : h_prev + prev_row_of[b * k + f_slot[f]] * H;
                 memcpy(x_in + t * 2 * H + H, feature, sizeof(uint16_t) * H);
-                memcpy(cos_l + t * D, cos + (b * levels + s - 1) * D, sizeof(uint16_t) * D);
-                memcpy(sin_l + t * D, sin + (b * levels + s - 1) * D, sizeof(uint16_t) * D);
+                memcpy(cos_l + t * D, cos + (first_row[b] + s - 1) * D, sizeof(uint16_t) * D);
+                memcpy(sin_l + t * D, sin + (first_row[b] + s - 1) * D, sizeof(uint16_t) * D);
                 row_slot[t] = slots[b], row_prefix[t] = committed[b], row_index[t] = r, row_new[t] = s * k;
                 uint32_t *mine = anc + (b * run + r) * RW;
                 if (s == 1)

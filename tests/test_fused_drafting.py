@@ -229,3 +229,38 @@ def test_the_native_tree_falls_back_to_the_fused_levels_and_says_why():
     native._draft_native = lambda *args: calls.append(args)  # processors: never the native tree
     out = treespec.generate(model, PROMPTS[:2], max_new_tokens=10, repetition_penalty=1.3, proposer=native)
     assert out.sequences == want and not calls and out.stats.drafted_nodes > 0
+
+
+def test_the_rotary_table_gives_the_modules_own_rows():
+    """Rows of the table computed once (and grown) are the bits the rotary module gives for the
+    same positions in any call; a kind whose table depends on the call is computed per call."""
+    from treespec.target.fused import RotaryTable, rotary_tables
+
+    model, head = bf16_pair()
+    table = RotaryTable(head.rotary, head.config.head_dim)
+    assert table.static
+    for positions in (torch.tensor([0, 5, 3]), torch.tensor([700, 2, 1000, 299])):  # 1000: the table grows
+        probe = torch.empty(len(positions), 0, dtype=torch.bfloat16)
+        want = rotary_tables(head.rotary, probe, positions, head.config.head_dim)
+        for got, expected in zip(table(probe, positions), want, strict=True):
+            assert torch.equal(got, expected)
+    assert len(table.cos) >= 1001
+
+
+@needs_kernels
+def test_a_native_tree_on_per_call_rotary_rows_is_the_same_tree():
+    """A rotary kind computed per call (not from the table) lays the tree's rows out itself: the
+    native tree is the same as on the table."""
+    model, head = bf16_pair(seed=3, std=0.2)
+    torch.manual_seed(0)
+    features = torch.randn(9, model.config.hidden_size).to(torch.bfloat16)
+    trees = []
+    for static in (True, False):
+        p = EagleProposer(head, model, top_k=3, depth=4, total_tokens=9)
+        p.fused.rotary.static = static
+        p.observe_prefill(0, list(range(10, 18)), features[:8])
+        p._pending[0] = [([18], features[8:])]
+        trees.append(p.propose(requests_of([list(range(10, 19))])))
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(
+        trees[0].tree_mask, trees[1].tree_mask
+    )

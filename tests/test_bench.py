@@ -299,3 +299,21 @@ def test_every_method_is_set_against_plain_decoding_beside_hf():
                 values.pop(key)
     _speedups(without_none, "none")  # no plain decoding in the run: no ratio to it, no crash
     assert all("speedup_vs_none" not in m for m in without_none)
+
+
+def test_drafting_is_reported_in_plain_steps():
+    """`draft`: each method's drafting ms per step over plain decoding's scoring ms per step, in
+    the JSON and the table; nothing where the run had no plain decoding."""
+    from treespec.bench.e2e import _drafting_share, _method_row
+
+    def entry(name, propose, score):
+        return {"name": name, "kind": "treespec", "tokens_per_s": 50.0, "per_category": {},
+                "stage_ms": {"propose": propose, "score": score, "verify": 0.5, "commit": 0.1, "other": 0.2}}  # fmt: skip
+
+    methods = [entry("none", 0.0, 12.0), entry("eagle", 3.0, 30.0), entry("draft", 18.0, 30.0)]
+    _drafting_share(methods)
+    assert [m.get("drafting_vs_plain_step") for m in methods] == [None, 0.25, 1.5]
+    assert _method_row(methods[1]).split()[9] == "0.25"  # after the identity columns
+    alone = [entry("eagle", 3.0, 30.0)]
+    _drafting_share(alone)
+    assert "drafting_vs_plain_step" not in alone[0] and _method_row(alone[0]).split()[9] == "-"

@@ -503,6 +503,7 @@ def summarise(config, components, pairs, encoded, results, order) -> dict:
         methods.append(entry)
     for base in SPEEDUP_BASES:
         _speedups(methods, base)
+    _drafting_share(methods)
     return {"config": {k: v for k, v in asdict(config).items()}, "categories": categories, "methods": methods,
             "prompts": len(pairs), "near_tie_gap": config.near_tie_gap}  # fmt: skip
 
@@ -579,6 +580,17 @@ def _speedups(methods: list[dict], base: str) -> None:
             values[key] = values["tokens_per_s"] / reference["per_category"][category]["tokens_per_s"]
 
 
+def _drafting_share(methods: list[dict]) -> None:
+    """``drafting_vs_plain_step`` on every treespec method: its drafting ms per step over plain
+    decoding's scoring ms per step, in the same run (what drafting costs in plain steps)."""
+    plain = next((m for m in methods if m["name"] == "none" and "stage_ms" in m), None)
+    if plain is None or not plain["stage_ms"]["score"]:
+        return
+    for entry in methods:
+        if entry is not plain and "stage_ms" in entry:
+            entry["drafting_vs_plain_step"] = entry["stage_ms"]["propose"] / plain["stage_ms"]["score"]
+
+
 def _hf_tau(runs: list[dict], new: int) -> float:
     """Tokens per target forward after the prefill, for HF's ``generate``: 1.0 when decoding plainly,
     the mean committed per verification with prompt lookup or an assistant (the last step may be
@@ -601,7 +613,7 @@ def format_report(report: dict, verbose: bool = False) -> str:
     ``verbose``, where each differing prompt first differs."""
     prompts, gap = report.get("prompts"), report.get("near_tie_gap")
     lines = [f"{'method':<12} {'tok/s':>7} {'vs hf':>6} {'vs none':>7} {'tau':>5} {'nodes':>5} {'same':>4} {'tie':>3} "
-             f"{'diff':>4}  stage ms/step (propose score verify commit other)  accepted lengths"]  # fmt: skip
+             f"{'diff':>4} {'draft':>5}  stage ms/step (propose score verify commit other)  accepted lengths"]  # fmt: skip
     if "target" in report:
         t = report["target"]
         lines.insert(0, f"treespec target: attention {t['attention_backend']}, linear {t['linear_backend']}, "
@@ -627,10 +639,11 @@ def _method_row(m: dict) -> str:
     tau = f"{m['mean_accepted_tokens']:.2f}" if "mean_accepted_tokens" in m else "-"
     nodes = f"{m['mean_drafted_nodes']:.1f}" if "mean_drafted_nodes" in m else "-"
     speed, plain = (f"{m[k]:.2f}x" if k in m else "-" for k in ("speedup_vs_hf", "speedup_vs_none"))
+    share = f"{m['drafting_vs_plain_step']:.2f}" if "drafting_vs_plain_step" in m else "-"
     stages = " ".join(f"{v:6.1f}" for v in m["stage_ms"].values()) if "stage_ms" in m else ""
     hist = " ".join(f"{k}:{v}" for k, v in m.get("accepted_length_histogram", {}).items())
     return (f"{m['name']:<12} {m['tokens_per_s']:7.1f} {speed:>6} {plain:>7} {tau:>5} {nodes:>5} {same:>4} "
-            f"{tie:>3} {diff:>4}  {stages}  {hist}")  # fmt: skip
+            f"{tie:>3} {diff:>4} {share:>5}  {stages}  {hist}")  # fmt: skip
 
 
 def _mismatch_lines(m: dict) -> list[str]:
@@ -682,7 +695,8 @@ def legend(report: dict) -> str:
     return (
         "legend: tok/s new tokens per second; vs hf speed over HF generate; vs none speed over treespec's own "
         "plain decoding (no proposer); tau tokens committed per target "
-        f"forward (bonus included); nodes drafted tree nodes per step; {identity}; stage ms per step; "
+        f"forward (bonus included); nodes drafted tree nodes per step; {identity}; draft drafting ms per step "
+        "over plain decoding's scoring ms per step; stage ms per step; "
         "accepted lengths tokens:steps"
     )
 

@@ -336,3 +336,12 @@ def test_bench_head_cost_times_each_head_kind_at_both_budgets(tmp_path, monkeypa
     }
     assert all(r["propose_ms"] > 0 and r["forward_ms"] > 0 for r in report["rows"])
     assert report["single_token_forward_ms"] > 0
+    from treespec.kernels import cpu_kernels
+
+    if cpu_kernels.available():  # each phase of a pass, per road and row count, beside its floor
+        phases = report["phases"]
+        assert {(p["road"], p["rows"]) for p in phases} == {
+            (r, n) for r in cpu_kernels.roads() for n in (1, 4, 8)
+        }
+        assert {p["phase"] for p in phases} == {"fc", "qkv", "o", "gate+up", "down", "read-out"}
+        assert all(p["ms"] > 0 and 0 < p["floor_ms"] for p in phases)

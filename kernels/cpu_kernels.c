@@ -1337,5 +1337,5 @@ double treespec_peak_flops(int isa, int64_t iterations) {
     return (double)threads * (double)iterations * 12.0 * (isa == ISA_AVX512_BF16 ? 64.0 : 16.0) / seconds;
 }
 
-/* An EAGLE tree in one call: its own file, one translation unit with this one (one build). */
+/* A drafter's whole tree in one call: its own file, one translation unit with this one (one build). */
 #include "draft_tree.c"

@@ -223,18 +223,19 @@ def load_library(
         + [ctypes.c_int64, ctypes.c_void_p]
     )
     lib.treespec_decoder_bf16.restype = ctypes.c_int
-    lib.treespec_eagle_tree_bf16.argtypes = (
+    lib.treespec_draft_tree_bf16.argtypes = (
         [ctypes.c_void_p] * 4
+        + [ctypes.c_int64, ctypes.c_void_p]
         + [ctypes.c_int64] * 5
         + [ctypes.c_float] * 2
-        + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
         + [ctypes.c_void_p] * 4
         + [ctypes.c_int64] * 3
-        + [ctypes.c_void_p] * 5
+        + [ctypes.c_void_p] * 6
         + [ctypes.c_int64] * 3
         + [ctypes.c_void_p] * 5
     )
-    lib.treespec_eagle_tree_bf16.restype = ctypes.c_int
+    lib.treespec_draft_tree_bf16.restype = ctypes.c_int
     lib.treespec_set_isa.argtypes = [ctypes.c_int]
     lib.treespec_set_isa(ISAS[_chosen_isa()])  # _chosen_isa asked Linux for AMX's tiles where it picks amx
     return lib, ""
@@ -410,44 +411,49 @@ def decoder_bf16(
     _raise_on_failure(code, f"the fused decoder over {num_rows} rows and a cache of {max_len} positions")
 
 
-def eagle_tree_bf16(
-    head: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, ctypes.Array],
-    dims: tuple[int, int, int, int, int],
-    eps: float,
-    sm_scale: float,
-    readout: torch.Tensor,
-    column_ids: torch.Tensor | None,
+def draft_tree_bf16(
+    stack: tuple,
+    readout: tuple[torch.Tensor, torch.Tensor | None, bool],
     cos: torch.Tensor,
     sin: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: tuple[torch.Tensor, ...],
     shape: tuple[int, int, int],
 ) -> tuple[torch.Tensor, ...]:
-    """One EAGLE-2 tree per request in one call (``treespec_eagle_tree_bf16`` in
-    ``draft_tree.c``). ``head``: (embeddings [vocab, H], fc weight [H, 2H], fc bias or None,
-    the decoder layer's pointer table); ``dims`` (hidden, MLP width, query heads, KV heads, head
-    dim); ``readout`` [V, H] and ``column_ids`` [V] long or None; ``cos``, ``sin`` [R, D] rotary
-    rows; ``rows``: per request its cache slot, committed length, the rotary row of its first
-    level (level s reads row first + s - 1), root token (long) and root feature [B, H]; ``shape``: (top_k, depth, num_nodes). Returns tokens, parents, depths [B * n]
-    long, the mask [B * n, W] int32 and the scores [B * n] fp32 (n = num_nodes + 1). Raw
-    pointers: :class:`treespec.target.fused.FusedEagleLayer` lays out and checks every argument."""
-    embed, fc_weight, fc_bias, table = head
-    slots, committed, first_row, roots, root_h = rows
+    """One EAGLE-2 tree per request in one call (``treespec_draft_tree_bf16`` in
+    ``draft_tree.c``), drafted by an EAGLE-1 head or a draft model. ``stack``: (embeddings
+    [vocab, H], fc weight [H, 2H] or None (a draft model), fc bias or None, the layers' pointer
+    table, the number of layers, the final norm or None, (hidden, MLP width, query heads, KV
+    heads, head dim), eps, sm_scale); ``readout``: (weight [V, H], column ids [V] long or None,
+    whether its logits round to bf16); ``cos``, ``sin`` [R, D] rotary rows; ``rows``: per request
+    its cache slot, committed length, the rotary row of its first level (level s reads row
+    first + s - 1), root token (long), then the root feature [B, H] bf16 (an EAGLE head's, read
+    out here) or None, and the root logits [B, V] fp32 (a draft model's) or None; ``shape``:
+    (top_k, depth, num_nodes). Returns tokens, parents, depths [B * n] long, the mask [B * n, W]
+    int32 and the scores [B * n] fp32 (n = num_nodes + 1). Raw pointers:
+    :func:`treespec.target.fused.draft_tree` lays out and checks every argument."""
+    embed, fc_weight, fc_bias, table, num_layers, final_norm, dims, eps, sm_scale = stack
+    weight, column_ids, round_logits = readout
+    slots, committed, first_row, roots, root_h, root_logits = rows
     top_k, depth, num_nodes = shape
     batch, kept = len(slots), num_nodes + 1
     tokens, parents, depths = (torch.empty(batch * kept, dtype=torch.long) for _ in range(3))
     mask = torch.empty(batch * kept, (kept + 31) // 32, dtype=torch.int32)
     scores = torch.empty(batch * kept)
-    code = _load()[0].treespec_eagle_tree_bf16(
-        embed.data_ptr(), fc_weight.data_ptr(), None if fc_bias is None else fc_bias.data_ptr(), table, *dims,
-        eps, sm_scale, readout.data_ptr(), readout.shape[0], None if column_ids is None else column_ids.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1], keys.shape[3], batch,
-        slots.data_ptr(), committed.data_ptr(), first_row.data_ptr(), roots.data_ptr(), root_h.data_ptr(), top_k,
-        depth, num_nodes,
-        tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), mask.data_ptr(), scores.data_ptr(),
+
+    def pointer(tensor: torch.Tensor | None) -> int | None:
+        return None if tensor is None else tensor.data_ptr()
+
+    code = _load()[0].treespec_draft_tree_bf16(
+        embed.data_ptr(), pointer(fc_weight), pointer(fc_bias), table, num_layers, pointer(final_norm), *dims,
+        eps, sm_scale, weight.data_ptr(), weight.shape[0], pointer(column_ids), int(round_logits), cos.data_ptr(),
+        sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1], keys.shape[3], batch, slots.data_ptr(),
+        committed.data_ptr(), first_row.data_ptr(), roots.data_ptr(), pointer(root_h), pointer(root_logits), top_k,
+        depth, num_nodes, tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), mask.data_ptr(),
+        scores.data_ptr(),
     )  # fmt: skip
-    _raise_on_failure(code, f"an EAGLE tree of {num_nodes} nodes for {batch} requests")
+    _raise_on_failure(code, f"a drafted tree of {num_nodes} nodes for {batch} requests")
     return tokens, parents, depths, mask, scores
 
 

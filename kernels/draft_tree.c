@@ -1,4 +1,4 @@
-/* An EAGLE-2 tree drafted whole: one call per tree (EAGLE-1 heads). Part of the kernel library:
+/* An EAGLE-2 tree drafted whole: one call per tree (EAGLE-1 heads and Llama-style draft models). Part of the kernel library:
  * cpu_kernels.c includes this file, so it shares that file's linear layer, decoder stack and
  * exponential, and the library stays one build.
  *
@@ -81,35 +81,54 @@ static void rows_top_k(const float *logits, int64_t rows, int64_t V, int64_t k, 
     }
 }
 
-/* treespec_eagle_tree_bf16: B requests' trees of num_nodes drafted nodes each.
+/* logits [rows, V] fp32 of h [rows, H] through the read-out, rounded to bf16 first when asked
+ * (the linear kernel's bf16 output, widened: the module path's bits). */
+static int read_out(const uint16_t *h, int64_t rows, const uint16_t *readout, int64_t V, int64_t H, int64_t round,
+                    float *logits, uint16_t *bf16) {
+    if (!round) return treespec_linear_bf16(h, 1, readout, 0, logits, 0, rows, V, H);
+    const int code = treespec_linear_bf16(h, 1, readout, 0, bf16, 1, rows, V, H);
+    for (int64_t e = 0; !code && e < rows * V; e++) logits[e] = widen_one(bf16[e]);
+    return code;
+}
+
+/* treespec_draft_tree_bf16: B requests' trees of num_nodes drafted nodes each, drafted by an
+ * EAGLE-1 head (fc_w not NULL) or by a draft model (fc_w NULL).
  *
- * The head: embed [vocab, H] (the target's input embeddings), fc [H, 2H] and its bias (or NULL)
- * over [embedding; feature], `layer` the decoder layer's W_COUNT pointers (as treespec_decoder_bf16
- * reads them, no input norm), its sizes (H, I, Hq, Hkv, D), eps and sm_scale; the read-out
- * [V, H] (the target's LM head, or the rows of a reduced draft vocabulary) and column_ids [V]
- * (the token of each column; NULL: column c is token c). cos, sin [R, D]: rotary rows, level s
- * of request b (at position committed + s - 1) reading row first_row[b] + s - 1. The head's
- * KV cache [S, Hkv, L, D] (one layer), each request's slot and committed length, its root token
- * and root feature root_h [B, H] (the head's output at the root's pair).
+ * The drafter: embed [vocab, H] (the target's input embeddings, which both read); an EAGLE-1
+ * head's fc [H, 2H] and its bias (or NULL) over [embedding; feature]; the decoder stack's
+ * num_layers * W_COUNT pointers (as treespec_decoder_bf16 reads them: an EAGLE layer has no input
+ * norm) and its final norm (NULL: none, EAGLE), the sizes (H, I, Hq, Hkv, D), eps and sm_scale;
+ * the read-out [V, H] (an LM head, or the rows of a reduced draft vocabulary), column_ids [V]
+ * (the token of each column; NULL: column c is token c) and round_logits (1: the read-out's
+ * logits rounded to bf16, as a draft model's module path gives them; 0: fp32). cos, sin [R, D]:
+ * rotary rows, level s of request b (at position committed + s - 1) reading row
+ * first_row[b] + s - 1. The drafter's KV cache [num_layers, S, Hkv, L, D], each request's slot and
+ * committed length, its root token and either root_logits [B, V] fp32 (a draft model's, from its
+ * catch-up) or, where that is NULL, root_h [B, H] (an EAGLE head's output at the root's pair,
+ * read out here). An EAGLE level feeds each node its parent's output as the feature; a draft
+ * model's nodes see their ancestors through its cache alone.
  *
  * Out, per request b at b * (num_nodes + 1): tokens, parents (within the tree, -1 at the root),
  * depths, the ancestor-and-self mask [num_nodes + 1, W] (W = ceil((num_nodes + 1) / 32) words),
  * and, where `scores` is not NULL, each node's cumulative log-prob. Needs
  * 1 <= num_nodes <= k + (depth - 1) k^2, k <= V and room for (depth - 1) k rows past every
  * committed length (the caller checks). Returns 0, or TREESPEC_NO_MEMORY (the tree not written). */
-int treespec_eagle_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const uint16_t *fc_b,
-                             const void *const *layer, int64_t H, int64_t I, int64_t Hq, int64_t Hkv, int64_t D,
-                             float eps, float sm_scale, const uint16_t *readout, int64_t V, const int64_t *column_ids,
+int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const uint16_t *fc_b,
+                             const void *const *layers, int64_t num_layers, const uint16_t *final_norm, int64_t H,
+                             int64_t I, int64_t Hq, int64_t Hkv, int64_t D, float eps, float sm_scale,
+                             const uint16_t *readout, int64_t V, const int64_t *column_ids, int64_t round_logits,
                              const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache, int64_t S,
-                             int64_t L, int64_t B, const int64_t *slots, const int64_t *committed, const int64_t *first_row, const int64_t *roots,
-                             const uint16_t *root_h, int64_t k, int64_t depth, int64_t num_nodes, int64_t *tokens,
+                             int64_t L, int64_t B, const int64_t *slots, const int64_t *committed,
+                             const int64_t *first_row, const int64_t *roots, const uint16_t *root_h,
+                             const float *root_logits, int64_t k, int64_t depth, int64_t num_nodes, int64_t *tokens,
                              int64_t *parents, int64_t *depths, int32_t *mask, float *scores) {
     const int64_t T = B * k, levels = depth - 1, run = levels * k; /* rows per level; nodes run per request */
     const int64_t P = 1 + k + levels * k * k, kept = num_nodes + 1; /* drafted nodes per request, root included */
     const int64_t RW = run > 0 ? (run + 31) / 32 : 1, W = (kept + 31) / 32;
     const int64_t rows_out = B > T ? B : T;
     /* one block for everything: bf16 rows, fp32 logits, the pool, the frontier, the masks */
-    const size_t bytes = sizeof(uint16_t) * (T * 2 * H + 2 * T * H + 2 * T * D) + sizeof(float) * rows_out * V +
+    const size_t bytes = sizeof(uint16_t) * (T * 2 * H + 2 * T * H + 2 * T * D + rows_out * V) +
+                         sizeof(float) * rows_out * V + sizeof(void *) * num_layers +
                          sizeof(int64_t) * (4 * T + rows_out * k + 3 * B * P + 5 * T + P) +
                          sizeof(float) * (rows_out * k + B * P + T + P) + sizeof(int32_t) * (T * RW) +
                          sizeof(uint32_t) * (B * run * RW + kept * W) + 64 * 32; /* each TAKE aligns to 64 bytes */
@@ -119,6 +138,7 @@ int treespec_eagle_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     uint16_t *x_in = TAKE(uint16_t, T * 2 * H), *h = TAKE(uint16_t, T * H), *h_prev = TAKE(uint16_t, T * H);
     uint16_t *cos_l = TAKE(uint16_t, T * D), *sin_l = TAKE(uint16_t, T * D);
     float *logits = TAKE(float, rows_out * V), *child_lp = TAKE(float, rows_out * k);
+    uint16_t *logits_bf16 = TAKE(uint16_t, rows_out * V), **no_out = TAKE(uint16_t *, num_layers);
     int64_t *row_slot = TAKE(int64_t, T), *row_prefix = TAKE(int64_t, T), *row_index = TAKE(int64_t, T),
             *row_new = TAKE(int64_t, T), *child = TAKE(int64_t, rows_out * k);
     int64_t *pool_tok = TAKE(int64_t, B * P), *pool_parent = TAKE(int64_t, B * P), *pool_depth = TAKE(int64_t, B * P);
@@ -129,12 +149,15 @@ int treespec_eagle_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     int32_t *level_mask = TAKE(int32_t, T * RW);
     uint32_t *anc = TAKE(uint32_t, B * run * RW), *bits = TAKE(uint32_t, kept * W);
 #undef TAKE
-    uint16_t *no_out[1] = {0};
+    memset(no_out, 0, sizeof(void *) * num_layers);
 #define COLUMN(c) (column_ids ? column_ids[c] : (c))
 
     /* the root's children: the first frontier */
-    int code = treespec_linear_bf16(root_h, 1, readout, 0, logits, 0, B, V, H);
-    if (code) goto done;
+    int code = 0;
+    if (root_logits)
+        memcpy(logits, root_logits, sizeof(float) * B * V);
+    else if ((code = read_out(root_h, B, readout, V, H, round_logits, logits, logits_bf16)))
+        goto done;
     rows_top_k(logits, B, V, k, child, child_lp);
     for (int64_t b = 0; b < B; b++) {
         int64_t *tok = pool_tok + b * P, *par = pool_parent + b * P, *dep = pool_depth + b * P;
@@ -165,9 +188,13 @@ int treespec_eagle_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
                 row_of[f] = -1;
                 if (!(f_score[f] > bar)) continue;
                 row_of[f] = t, rows++;
-                memcpy(x_in + t * 2 * H, embed + f_tok[f] * H, sizeof(uint16_t) * H);
-                const uint16_t *feature = s == 1 ? root_h + b * H : h_prev + prev_row_of[b * k + f_slot[f]] * H;
-                memcpy(x_in + t * 2 * H + H, feature, sizeof(uint16_t) * H);
+                if (fc_w) { /* EAGLE: [embedding; the parent's output] */
+                    memcpy(x_in + t * 2 * H, embed + f_tok[f] * H, sizeof(uint16_t) * H);
+                    const uint16_t *feature = s == 1 ? root_h + b * H : h_prev + prev_row_of[b * k + f_slot[f]] * H;
+                    memcpy(x_in + t * 2 * H + H, feature, sizeof(uint16_t) * H);
+                } else { /* a draft model: the embedding; its ancestors are in its cache */
+                    memcpy(h + t * H, embed + f_tok[f] * H, sizeof(uint16_t) * H);
+                }
                 memcpy(cos_l + t * D, cos + (first_row[b] + s - 1) * D, sizeof(uint16_t) * D);
                 memcpy(sin_l + t * D, sin + (first_row[b] + s - 1) * D, sizeof(uint16_t) * D);
                 row_slot[t] = slots[b], row_prefix[t] = committed[b], row_index[t] = r, row_new[t] = s * k;
@@ -181,12 +208,12 @@ int treespec_eagle_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
             }
         }
         if (rows == 0) break; /* no request's tree can change any more */
-        /* the fused EAGLE layer's three calls: fc, the decoder layer over the head's cache, the read-out */
-        if ((code = treespec_linear_bf16(x_in, 1, fc_w, fc_b, h, 1, rows, H, 2 * H)) ||
-            (code = treespec_decoder_bf16(h, layer, 0, 1, rows, H, I, Hq, Hkv, D, eps, sm_scale, cos_l, sin_l,
-                                          k_cache, v_cache, S, L, row_slot, row_prefix, row_index, row_new,
-                                          level_mask, RW, no_out)) ||
-            (code = treespec_linear_bf16(h, 1, readout, 0, logits, 0, rows, V, H)))
+        /* the fused path's calls: (EAGLE) fc, the decoder stack over the drafter's cache, the read-out */
+        if ((fc_w && (code = treespec_linear_bf16(x_in, 1, fc_w, fc_b, h, 1, rows, H, 2 * H))) ||
+            (code = treespec_decoder_bf16(h, layers, final_norm, num_layers, rows, H, I, Hq, Hkv, D, eps, sm_scale,
+                                          cos_l, sin_l, k_cache, v_cache, S, L, row_slot, row_prefix, row_index,
+                                          row_new, level_mask, RW, no_out)) ||
+            (code = read_out(h, rows, readout, V, H, round_logits, logits, logits_bf16)))
             goto done; /* out of memory: nothing committed, the tree not written */
         rows_top_k(logits, rows, V, k, child, child_lp);
         for (int64_t b = 0; b < B; b++) {

@@ -70,8 +70,9 @@ def test_the_fused_eagle_layer_agrees_with_the_heads_modules(road):  # noqa: F81
 @needs_kernels
 @pytest.mark.parametrize("readout", [None, range(64)])
 def test_fused_drafting_keeps_plain_decodings_tokens(readout, road):  # noqa: F811
-    """EAGLE (its own layer in C), the draft model (levels one at a time) and the hybrid, each at
-    batch 1 and 3 with chunked prefill: the tokens of plain decoding on the same fused target."""
+    """EAGLE and the draft model (each tree in one C call, and level by level) and the hybrid,
+    each at batch 1 and 3 with chunked prefill: the tokens of plain decoding on the same fused
+    target."""
     model, head = bf16_pair(seed=5)
     draft = build("llama", seed=6, num_hidden_layers=2).to(torch.bfloat16)
     want = treespec.generate(model, PROMPTS, max_new_tokens=14).sequences
@@ -79,6 +80,12 @@ def test_fused_drafting_keeps_plain_decodings_tokens(readout, road):  # noqa: F8
         "eagle": lambda: EagleProposer(head, model, top_k=3, depth=4, total_tokens=9, readout_ids=readout),
         "draft": lambda: DraftModelProposer(
             draft, target_model=model, dynamic=(3, 4, 9), readout_ids=readout
+        ),
+        "eagle levels": lambda: EagleProposer(
+            head, model, top_k=3, depth=4, total_tokens=9, readout_ids=readout, native=False
+        ),
+        "draft levels": lambda: DraftModelProposer(
+            draft, target_model=model, dynamic=(3, 4, 9), readout_ids=readout, native=False
         ),
         "hybrid": lambda: HybridProposer(
             EagleProposer(head, model, top_k=2, depth=3, total_tokens=5),
@@ -88,9 +95,8 @@ def test_fused_drafting_keeps_plain_decodings_tokens(readout, road):  # noqa: F8
     for name, make in makers.items():
         for batch in (1, 3):
             proposer = make()
-            assert set(proposer.drafting_paths().values()) == {
-                "native tree" if name != "draft" else "fused"
-            }, name
+            paths = set(proposer.drafting_paths().values())
+            assert paths == {"fused (native=False)" if "levels" in name else "native tree"}, name
             out = treespec.generate(model, PROMPTS[:batch], max_new_tokens=14, proposer=proposer,
                                     prefill_chunk_size=4)  # fmt: skip
             assert out.sequences == want[:batch], (name, batch)
@@ -264,3 +270,23 @@ def test_a_native_tree_on_per_call_rotary_rows_is_the_same_tree():
     assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(
         trees[0].tree_mask, trees[1].tree_mask
     )
+
+
+@needs_kernels
+@pytest.mark.parametrize("readout", [None, range(64)])
+def test_a_draft_models_native_tree_is_the_tree_its_fused_levels_build(readout, road):  # noqa: F811
+    """A draft model's dynamic tree in one C call against its fused levels one call each with the
+    tree built in PyTorch: the same trees for every shape, two requests, and the same cache."""
+    draft = build("llama", seed=6, num_hidden_layers=2).to(torch.bfloat16)
+    for dynamic in [(3, 4, 9), (2, 3, 5), (4, 5, 20), (3, 1, 3), (4, 6, 31)]:
+        trees, lengths = [], []
+        for native in (True, False):
+            p = DraftModelProposer(draft, dynamic=dynamic, readout_ids=readout, native=native)
+            assert p.drafting_paths() == {"draft model": "native tree" if native else "fused (native=False)"}
+            trees.append(p.propose(requests_of([list(range(10, 23)), list(range(40, 48))])))
+            lengths.append(list(p.cache.lengths))
+        for name in ("tokens", "parents", "depth", "cu_nodes", "tree_mask"):
+            assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), (dynamic, name)
+        assert lengths[0] == lengths[1]
+    with pytest.raises(ValueError, match="native=True: a static tree shape drafts level by level"):
+        DraftModelProposer(draft, native=True)

@@ -28,16 +28,18 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from treespec.kernels import cpu_kernels
 from treespec.processors import process_draft, tree_paths
 from treespec.proposers.base import ProposalRequest, Proposer, reduced_rows
 from treespec.sampling import logits_to_probs
 from treespec.target import Target, linear
 from treespec.target.cache import default_max_len
-from treespec.target.fused import describe_path, level_rows
+from treespec.target.fused import describe_path, draft_tree, level_rows, native_refusal
 from treespec.tree import (
     BITS_PER_WORD,
     NO_PARENT,
     TokenTree,
+    TreeHost,
     TreeShape,
     build_dynamic_tree,
     chain,
@@ -67,6 +69,7 @@ class DraftModelProposer(Proposer):
         generator: torch.Generator | None = None,
         dynamic: tuple[int, int, int] | None = None,
         readout_ids: Sequence[int] | torch.Tensor | None = None,
+        native: bool | None = None,
     ) -> None:
         """``readout_ids``: the draft reads out through these rows of its LM head only (a reduced
         draft vocabulary, as for EAGLE and Medusa heads); a token outside is never drafted, the
@@ -74,7 +77,13 @@ class DraftModelProposer(Proposer):
         cumulative log-probabilities (``tree.build_dynamic_tree``) instead of ``shape``; its
         children are top-k, so it cannot be combined with ``sample``. ``max_batch_size``
         requests at once (the engine admits no more). With ``sample=True`` the draws use
-        ``generator`` (on the draft's device) or the default generator of that device."""
+        ``generator`` (on the draft's device) or the default generator of that device.
+
+        ``native``: a dynamic tree on the fused decoder is drafted in one C call (every level,
+        top-k, scores and the rerank inside; :func:`treespec.target.fused.draft_tree`), skipping
+        the frontier nodes no kept node can descend from: the tree the level-by-level path builds.
+        None (the default): wherever it can and no request has processors; True: required (refused
+        with the reason); False: off. ``path`` and ``path_reason`` say which ran."""
         if dynamic is not None and sample:
             raise ValueError("dynamic trees keep top-k children: they cannot be combined with sample=True")
         self.draft = Target(draft_model, attention_backend=attention_backend, linear_backend=linear_backend)
@@ -98,6 +107,7 @@ class DraftModelProposer(Proposer):
         self.cache = self.draft.new_cache(max_batch_size, max_len + self._max_forest())
         self.generator = generator
         self._slot: dict[int, int] = {}  # request id -> draft cache slot
+        self.native = self._native(native)
         self.readout_ids, self.readout = None, None
         if readout_ids is not None:
             top_k = dynamic[0] if dynamic is not None else self.shape.max_rank + 1
@@ -106,7 +116,28 @@ class DraftModelProposer(Proposer):
             )
             self.readout = linear.module_view(rows, self.draft.linear_backend).eval()
 
+    def _native(self, native: bool | None) -> bool:
+        """Whether dynamic trees are drafted in one C call (``native`` as the constructor takes it)."""
+        self._native_reason = "native=False"
+        if native is False:
+            return False
+        refusal = None
+        if self.dynamic is None:
+            refusal = "a static tree shape drafts level by level"
+        elif self.draft.fused is None:
+            refusal = f"the draft does not run through the fused decoder ({self.draft.path_reason})"
+        else:
+            refusal = native_refusal(self.draft.model.get_input_embeddings().weight)
+        if refusal is not None and native:
+            raise ValueError(f"native=True: {refusal}")
+        self._native_reason = "native=False" if native is False else refusal or ""
+        return refusal is None
+
     def drafting_paths(self) -> dict[str, str]:
+        if self.native:
+            return {"draft model": "native tree"}
+        if self.draft.fused is not None and self.dynamic is not None:
+            return {"draft model": describe_path("fused", self._native_reason)}
         return {"draft model": describe_path(self.draft.path, self.draft.path_reason)}
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
@@ -164,8 +195,11 @@ class DraftModelProposer(Proposer):
         num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
         processed = any(r.sampling.has_processors for r in requests)
         start = time.perf_counter()
-        root_logprobs = torch.log_softmax(self._catch_up(requests, widen=processed).float(), -1)  # [B, V']
+        root_logits = self._catch_up(requests, widen=processed).float()  # [B, V']
         self.catch_up_s = time.perf_counter() - start
+        if self.native and not processed:
+            return self._native_tree(requests, root_logits, (top_k, depth, num_nodes))
+        root_logprobs = torch.log_softmax(root_logits, -1)
         roots = torch.tensor([r.tokens[-1] for r in requests], device=root_logprobs.device)
         levels: list[tuple[torch.Tensor, torch.Tensor]] = []  # per expansion: frontier tokens, parent slots
         paths: list[list[list[int]]] = []  # per expansion: per request, per frontier slot
@@ -192,6 +226,21 @@ class DraftModelProposer(Proposer):
             token_ids=None if processed else self.readout_ids,
         )
 
+    def _native_tree(self, requests, root_logits: torch.Tensor, shape: tuple[int, int, int]) -> TokenTree:
+        """The tree :meth:`_propose_dynamic` builds level by level, in one C call over the fused
+        decoder (fp32 read-out logits, as :meth:`_read_out` gives them there)."""
+        fused = self.draft.fused
+        readout = (fused.lm_head, None) if self.readout is None else (self.readout.weight, self.readout_ids)
+        tokens, parents, depths, mask, _ = draft_tree(
+            fused.tree_stack(), fused.rotary, (*readout, False), self.cache,
+            ([self._slot[r.request_id] for r in requests], [r.tokens[-1] for r in requests]),
+            (None, root_logits), shape,
+        )  # fmt: skip
+        top_k, depth, num_nodes = shape
+        kept, batch = num_nodes + 1, len(requests)
+        host = TreeHost((kept,) * batch, depth, max_children=top_k)
+        return TokenTree(tokens, parents, depths, torch.arange(batch + 1) * kept, mask, None, host)
+
     def _score_levels(self, requests, levels, widen: bool = True) -> torch.Tensor:
         """Draft logits at the newest frontier [B, K, V'] (``widen``: over the whole vocabulary,
         see ``_forward``). The frontier nodes so far are a forest under the cached root, level by
@@ -214,11 +263,11 @@ class DraftModelProposer(Proposer):
         tokens, k = levels[-1][0], levels[-1][0].shape[1]
         batch, num_run = tokens.shape[0], len(levels) * k
         rows, committed = level_rows(self.cache, slots, k, num_run)
-        logits, hidden, _ = self.draft.fused.forward(
+        _, hidden, _ = self.draft.fused.forward(
             tokens.flatten(), committed + len(levels) - 1, self.cache, rows, pack_bits(visible[:, -k:]).flatten(0, 1),
-            None if self.readout is None else torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, dtype=torch.long),
         )  # fmt: skip
-        return (logits if self.readout is None else self._read_out(hidden, widen)).view(batch, k, -1)
+        return self._read_out(hidden, widen).view(batch, k, -1)
 
     def _score_all_levels(self, slots, levels, visible, widen: bool) -> torch.Tensor:
         """Every level's rows through the draft's forward, the newest level's logits."""
@@ -241,7 +290,7 @@ class DraftModelProposer(Proposer):
         """The draft's forward; logits [R, V] of ``logit_rows`` (None: every row), read out through
         the reduced rows when there are some: [R, V'] in their order, or with ``widen`` [R, V]
         with -inf outside them."""
-        if self.readout is None:
+        if self.readout is None and self.draft.fused is None:
             return self.draft.forward(*args, logit_rows=logit_rows, return_hidden=False, **kwargs).logits
         device = self.draft.device
         out = self.draft.forward(*args, logit_rows=torch.zeros(0, dtype=torch.long, device=device), **kwargs)
@@ -249,9 +298,14 @@ class DraftModelProposer(Proposer):
 
     def _read_out(self, hidden: torch.Tensor, widen: bool) -> torch.Tensor:
         """Logits of the draft's final normed rows over the reduced rows (``widen``: placed in
-        the whole vocabulary, -inf elsewhere)."""
-        logits = self.readout(hidden)
-        if not widen:
+        the whole vocabulary, -inf elsewhere), or over its LM head where there are none. On the
+        fused decoder in fp32 (the sums unrounded: the bits the one-call tree ranks by)."""
+        if self.draft.fused is not None:
+            weight = self.draft.fused.lm_head if self.readout is None else self.readout.weight
+            logits = cpu_kernels.linear_unchecked(hidden, weight, None, fp32_out=True)
+        else:
+            logits = self.readout(hidden)
+        if not widen or self.readout_ids is None:
             return logits
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.readout_ids, logits)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from treespec.target.fused import (
     eagle_refusal,
     env_refusal,
     level_rows,
+    native_refusal,
     say_once,
 )
 from treespec.tree import (
@@ -144,7 +144,7 @@ class EagleProposer(Proposer):
             self._column_ids = self._column_ids.long().contiguous()  # what the C tree reads
         self.path = "native tree" if self.native else "fused" if self.fused is not None else "modules"
         if self.fused is not None and not self.native:
-            self.path_reason = "native=False" if native is False else _native_refusal(self.embed.weight)
+            self.path_reason = "native=False" if native is False else native_refusal(self.embed.weight)
         self.max_context = max_len or default_max_len(getattr(target_config, "max_position_embeddings", None))
         drafted = 1 + (depth - 1) * top_k  # nodes run through the head per step, root pair included
         self.cache = KVCache(
@@ -289,7 +289,7 @@ class EagleProposer(Proposer):
         num_nodes = min(self.total_tokens, dynamic_capacity(self.top_k, depth))
         tokens, parents, depths, mask, _ = self.fused.draft_tree(
             self.embed.weight, self.lm_head.weight, self._column_ids, self.cache,
-            [self._slot[r.request_id] for r in requests], [r.tokens[-1] for r in requests],
+            ([self._slot[r.request_id] for r in requests], [r.tokens[-1] for r in requests]),
             root_features, (self.top_k, depth, num_nodes),
         )  # fmt: skip
         kept, batch = num_nodes + 1, len(requests)
@@ -450,20 +450,11 @@ def _fused_layer(
     return None, refusal
 
 
-def _native_refusal(embed: torch.Tensor) -> str | None:
-    """Why a head on the fused layer still drafts level by level, or None."""
-    if os.environ.get("TREESPEC_NATIVE_TREE", "1").strip().lower() in ("0", "false", "off"):
-        return "turned off by TREESPEC_NATIVE_TREE=0"
-    if not (embed.dtype is torch.bfloat16 and embed.is_contiguous()):
-        return "the target's embeddings are not contiguous bf16"
-    return None
-
-
 def _native_tree(fused: FusedEagleLayer | None, native: bool | None, embed: torch.Tensor) -> bool:
     """Whether trees are drafted in one C call: ``native`` as EagleProposer takes it."""
     if native is False:
         return False
-    refusal = "the head does not run through the fused layer" if fused is None else _native_refusal(embed)
+    refusal = "the head does not run through the fused layer" if fused is None else native_refusal(embed)
     if refusal is not None and native:
         raise ValueError(f"native=True: {refusal}")
     return refusal is None

@@ -61,6 +61,16 @@ def env_refusal() -> str | None:
     raise ValueError(f"TREESPEC_FUSED must be 0 or 1, got {value!r}")
 
 
+def native_refusal(embed: torch.Tensor) -> str | None:
+    """Why a drafter on the fused path still drafts level by level instead of one C call per
+    tree (``TREESPEC_NATIVE_TREE=0``, embeddings the C tree cannot read), or None."""
+    if os.environ.get("TREESPEC_NATIVE_TREE", "1").strip().lower() in ("0", "false", "off"):
+        return "turned off by TREESPEC_NATIVE_TREE=0"
+    if not (embed.dtype is torch.bfloat16 and embed.is_contiguous()):
+        return "the target's embeddings are not contiguous bf16"
+    return None
+
+
 def fused_refusal(model: nn.Module) -> str | None:
     """Why ``model`` cannot run through the fused decoder here, or None when it can."""
     if (reason := env_refusal()) is not None:
@@ -154,6 +164,42 @@ class RotaryTable:
         return cos[positions], sin[positions]
 
 
+def draft_tree(
+    stack: tuple,
+    rotary: RotaryTable,
+    readout: tuple[torch.Tensor, torch.Tensor | None, bool],
+    cache: object,
+    requests: tuple[list[int], list[int]],
+    roots: tuple[torch.Tensor | None, torch.Tensor | None],
+    shape: tuple[int, int, int],
+) -> tuple[torch.Tensor, ...]:
+    """A drafter's EAGLE-2 tree per request in one C call (``kernels/draft_tree.c``): every
+    level's pass, log-softmax, top-k, the frontier and the rerank inside. ``stack`` and
+    ``readout`` as :func:`treespec.kernels.cpu_kernels.draft_tree_bf16` takes them, ``requests``
+    (cache slots, root tokens), ``roots`` (root features [B, H] or None, root logits [B, V] or
+    None), ``shape`` (top_k, depth, num_nodes). Level s of request b runs at position committed
+    + s - 1, its K/V written past the committed length (nothing is committed). Returns tokens,
+    parents, depths [B * n], the mask [B * n, W] and the scores (n = num_nodes + 1)."""
+    slots, root_tokens = requests
+    top_k, depth, _ = shape
+    levels = max(depth - 1, 1)
+    for slot in slots:
+        cache.check_room(slot, (depth - 1) * top_k)
+    committed = torch.tensor([cache.lengths[s] for s in slots], dtype=torch.long)
+    if rotary.static:  # the whole table: level s of request b reads row committed + s - 1
+        cos, sin = rotary.covering(int(committed.max()) + levels)
+        first_row = committed
+    else:  # this tree's rows only, request b's levels at rows b * levels ..
+        positions = (committed[:, None] + torch.arange(levels)).flatten()
+        cos, sin = rotary_tables(rotary.rotary, torch.empty(len(positions), 0, dtype=rotary.dtype), positions,
+                                 rotary.head_dim)  # fmt: skip
+        first_row = torch.arange(len(slots)) * levels
+    root_h, root_logits = (None if t is None else t.contiguous() for t in roots)
+    rows = (torch.tensor(slots, dtype=torch.long), committed, first_row, torch.tensor(root_tokens, dtype=torch.long),
+            root_h, root_logits)  # fmt: skip
+    return cpu_kernels.draft_tree_bf16(stack, readout, cos, sin, cache.keys, cache.values, rows, shape)
+
+
 def run_stack(
     hidden: torch.Tensor,
     table: ctypes.Array,
@@ -227,6 +273,19 @@ class FusedDecoder:
         self.sm_scale = float(model.model.layers[0].self_attn.scaling)
         self._owner_list = self._owners()
         self._build_table()
+        self.rotary = RotaryTable(model.model.rotary_emb, self.head_dim)  # a drafted tree's rows
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self._lm_head
+
+    def tree_stack(self) -> tuple:
+        """This stack as :func:`draft_tree` reads a draft model's (no fc; every layer, the final
+        norm), the pointer table current."""
+        self._current()
+        dims = (self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim)
+        return (self.model.model.embed_tokens.weight, None, None, self._table, self.num_layers, self._final_norm,
+                dims, self.eps, self.sm_scale)  # fmt: skip
 
     def _owners(self) -> list[tuple[nn.Module, str]]:
         """Where every tensor the C stack reads lives, in table order (module, parameter name),
@@ -389,35 +448,16 @@ class FusedEagleLayer:
         readout: torch.Tensor,
         column_ids: torch.Tensor | None,
         cache: object,
-        slots: list[int],
-        roots: list[int],
+        requests: tuple[list[int], list[int]],
         root_h: torch.Tensor,
         shape: tuple[int, int, int],
     ) -> tuple[torch.Tensor, ...]:
-        """An EAGLE-2 tree per request in one C call (``kernels/draft_tree.c``): every level's
-        pass as :meth:`forward` computes it, the read-out ``readout`` [V, H] (columns' tokens
-        ``column_ids``, None: column c is token c), log-softmax, top-k, the frontier and the
-        rerank inside. ``embed`` the target's input embeddings, ``root_h`` [B, H] the head's
-        outputs at the roots, ``shape`` (top_k, depth, num_nodes). Level s of request b runs at
-        position committed + s - 1, its K/V written past the committed length (nothing is
-        committed). Returns tokens, parents, depths [B * n], the mask [B * n, W] and the scores
-        (n = num_nodes + 1)."""
-        top_k, depth, _ = shape
-        levels = depth - 1
-        for slot in slots:
-            cache.check_room(slot, levels * top_k)
-        committed = torch.tensor([cache.lengths[s] for s in slots], dtype=torch.long)
-        if self.rotary.static:  # the whole table: level s of request b reads row committed + s - 1
-            cos, sin = self.rotary.covering(int(committed.max()) + max(levels, 1))
-            first_row = committed
-        else:  # this tree's rows only, request b's levels at rows b * levels ..
-            positions = (committed[:, None] + torch.arange(max(levels, 1))).flatten()
-            cos, sin = rotary_tables(
-                self.head.rotary, root_h.new_empty(len(positions), 0), positions, self.shape[-1]
-            )
-            first_row = torch.arange(len(slots)) * max(levels, 1)
-        head = (embed, *self.fc, self._table)
-        rows = (torch.tensor(slots, dtype=torch.long), committed, first_row, torch.tensor(roots, dtype=torch.long),
-                root_h.contiguous())  # fmt: skip
-        return cpu_kernels.eagle_tree_bf16(head, self.shape, self.eps, self.sm_scale, readout, column_ids, cos, sin,
-                                           cache.keys, cache.values, rows, shape)  # fmt: skip
+        """An EAGLE-2 tree per request in one C call (:func:`draft_tree`): every level's pass as
+        :meth:`forward` computes it, then the read-out ``readout`` [V, H] in fp32 (columns' tokens
+        ``column_ids``, None: column c is token c). ``embed`` the target's input embeddings,
+        ``requests`` their (head cache slots, root tokens), ``root_h`` [B, H] the head's outputs at
+        the roots, read out inside."""
+        stack = (embed, *self.fc, self._table, 1, None, self.shape, self.eps, self.sm_scale)
+        return draft_tree(
+            stack, self.rotary, (readout, column_ids, False), cache, requests, (root_h, None), shape
+        )

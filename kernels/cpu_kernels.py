@@ -232,7 +232,7 @@ def load_library(
         + [ctypes.c_void_p] * 4
         + [ctypes.c_int64] * 3
         + [ctypes.c_void_p] * 6
-        + [ctypes.c_int64] * 3
+        + [ctypes.c_int64] * 4
         + [ctypes.c_void_p] * 5
     )
     lib.treespec_draft_tree_bf16.restype = ctypes.c_int
@@ -413,12 +413,12 @@ def decoder_bf16(
 
 def draft_tree_bf16(
     stack: tuple,
-    readout: tuple[torch.Tensor, torch.Tensor | None, bool],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    rows: tuple[torch.Tensor, ...],
+    readout: tuple[torch.Tensor | None, torch.Tensor | None, bool],
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    keys: torch.Tensor | None,
+    values: torch.Tensor | None,
+    rows: tuple[torch.Tensor | None, ...],
     shape: tuple[int, int, int],
 ) -> tuple[torch.Tensor, ...]:
     """One EAGLE-2 tree per request in one call (``treespec_draft_tree_bf16`` in
@@ -429,13 +429,16 @@ def draft_tree_bf16(
     whether its logits round to bf16); ``cos``, ``sin`` [R, D] rotary rows; ``rows``: per request
     its cache slot, committed length, the rotary row of its first level (level s reads row
     first + s - 1), root token (long), then the root feature [B, H] bf16 (an EAGLE head's, read
-    out here) or None, and the root logits [B, V] fp32 (a draft model's) or None; ``shape``:
+    out here) or None, and the root logits [B, V] fp32 (a draft model's), or [B, heads, V]
+    (Medusa's: nothing runs, head s scores depth s; the stack, read-out weight, rotary rows and
+    caches may be None), or None; ``shape``:
     (top_k, depth, num_nodes). Returns tokens, parents, depths [B * n] long, the mask [B * n, W]
     int32 and the scores [B * n] fp32 (n = num_nodes + 1). Raw pointers:
     :func:`treespec.target.fused.draft_tree` lays out and checks every argument."""
     embed, fc_weight, fc_bias, table, num_layers, final_norm, dims, eps, sm_scale = stack
     weight, column_ids, round_logits = readout
     slots, committed, first_row, roots, root_h, root_logits = rows
+    heads = root_logits.shape[1] if root_logits is not None and root_logits.dim() == 3 else 0  # Medusa
     top_k, depth, num_nodes = shape
     batch, kept = len(slots), num_nodes + 1
     tokens, parents, depths = (torch.empty(batch * kept, dtype=torch.long) for _ in range(3))
@@ -445,12 +448,15 @@ def draft_tree_bf16(
     def pointer(tensor: torch.Tensor | None) -> int | None:
         return None if tensor is None else tensor.data_ptr()
 
+    vocab = root_logits.shape[-1] if weight is None else weight.shape[0]
+    cache_sizes = (0, 0) if keys is None else (keys.shape[1], keys.shape[3])
+
     code = _load()[0].treespec_draft_tree_bf16(
-        embed.data_ptr(), pointer(fc_weight), pointer(fc_bias), table, num_layers, pointer(final_norm), *dims,
-        eps, sm_scale, weight.data_ptr(), weight.shape[0], pointer(column_ids), int(round_logits), cos.data_ptr(),
-        sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1], keys.shape[3], batch, slots.data_ptr(),
-        committed.data_ptr(), first_row.data_ptr(), roots.data_ptr(), pointer(root_h), pointer(root_logits), top_k,
-        depth, num_nodes, tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), mask.data_ptr(),
+        pointer(embed), pointer(fc_weight), pointer(fc_bias), table, num_layers, pointer(final_norm), *dims,
+        eps, sm_scale, pointer(weight), vocab, pointer(column_ids), int(round_logits), pointer(cos), pointer(sin),
+        pointer(keys), pointer(values), *cache_sizes, batch, slots.data_ptr(), committed.data_ptr(),
+        first_row.data_ptr(), roots.data_ptr(), pointer(root_h), pointer(root_logits), heads, top_k, depth,
+        num_nodes, tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), mask.data_ptr(),
         scores.data_ptr(),
     )  # fmt: skip
     _raise_on_failure(code, f"a drafted tree of {num_nodes} nodes for {batch} requests")

@@ -1,4 +1,5 @@
-/* An EAGLE-2 tree drafted whole: one call per tree (EAGLE-1 heads and Llama-style draft models). Part of the kernel library:
+/* An EAGLE-2 tree drafted whole: one call per tree (EAGLE-1 heads, Llama-style draft models and
+ * Medusa heads). Part of the kernel library:
  * cpu_kernels.c includes this file, so it shares that file's linear layer, decoder stack and
  * exponential, and the library stays one build.
  *
@@ -106,7 +107,9 @@ static int read_out(const uint16_t *h, int64_t rows, const uint16_t *readout, in
  * committed length, its root token and either root_logits [B, V] fp32 (a draft model's, from its
  * catch-up) or, where that is NULL, root_h [B, H] (an EAGLE head's output at the root's pair,
  * read out here). An EAGLE level feeds each node its parent's output as the feature; a draft
- * model's nodes see their ancestors through its cache alone.
+ * model's nodes see their ancestors through its cache alone. With heads > 0 (Medusa), nothing
+ * runs: root_logits is [B, heads, V], the root's children come from head 0 and every depth-s
+ * node's from head s (depth <= heads); embed, the stack and the cache are unused.
  *
  * Out, per request b at b * (num_nodes + 1): tokens, parents (within the tree, -1 at the root),
  * depths, the ancestor-and-self mask [num_nodes + 1, W] (W = ceil((num_nodes + 1) / 32) words),
@@ -120,7 +123,8 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
                              const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache, int64_t S,
                              int64_t L, int64_t B, const int64_t *slots, const int64_t *committed,
                              const int64_t *first_row, const int64_t *roots, const uint16_t *root_h,
-                             const float *root_logits, int64_t k, int64_t depth, int64_t num_nodes, int64_t *tokens,
+                             const float *root_logits, int64_t heads, int64_t k, int64_t depth, int64_t num_nodes,
+                             int64_t *tokens,
                              int64_t *parents, int64_t *depths, int32_t *mask, float *scores) {
     const int64_t T = B * k, levels = depth - 1, run = levels * k; /* rows per level; nodes run per request */
     const int64_t P = 1 + k + levels * k * k, kept = num_nodes + 1; /* drafted nodes per request, root included */
@@ -129,8 +133,8 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     /* one block for everything: bf16 rows, fp32 logits, the pool, the frontier, the masks */
     const size_t bytes = sizeof(uint16_t) * (T * 2 * H + 2 * T * H + 2 * T * D + rows_out * V) +
                          sizeof(float) * rows_out * V + sizeof(void *) * num_layers +
-                         sizeof(int64_t) * (4 * T + rows_out * k + 3 * B * P + 5 * T + P) +
-                         sizeof(float) * (rows_out * k + B * P + T + P) + sizeof(int32_t) * (T * RW) +
+                         sizeof(int64_t) * (4 * T + rows_out * k + 3 * B * P + 5 * T + P + B * k) +
+                         sizeof(float) * (rows_out * k + B * P + T + P + B * k) + sizeof(int32_t) * (T * RW) +
                          sizeof(uint32_t) * (B * run * RW + kept * W) + 64 * 32; /* each TAKE aligns to 64 bytes */
     char *block = malloc(bytes), *next = block;
     if (!block) return TREESPEC_NO_MEMORY;
@@ -145,7 +149,8 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     float *pool_score = TAKE(float, B * P), *f_score = TAKE(float, T);
     int64_t *f_id = TAKE(int64_t, T), *f_tok = TAKE(int64_t, T), *f_slot = TAKE(int64_t, T);
     int64_t *row_of = TAKE(int64_t, T), *prev_row_of = TAKE(int64_t, T), *rank_id = TAKE(int64_t, P);
-    float *rank_score = TAKE(float, P);
+    float *rank_score = TAKE(float, P), *head_lp = TAKE(float, B * k);
+    int64_t *head_child = TAKE(int64_t, B * k);
     int32_t *level_mask = TAKE(int32_t, T * RW);
     uint32_t *anc = TAKE(uint32_t, B * run * RW), *bits = TAKE(uint32_t, kept * W);
 #undef TAKE
@@ -154,8 +159,8 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
 
     /* the root's children: the first frontier */
     int code = 0;
-    if (root_logits)
-        memcpy(logits, root_logits, sizeof(float) * B * V);
+    if (root_logits) /* a draft model's [B, V], or Medusa's heads [B, heads, V] (head 0 for the root) */
+        for (int64_t b = 0; b < B; b++) memcpy(logits + b * V, root_logits + b * (heads ? heads : 1) * V, sizeof(float) * V);
     else if ((code = read_out(root_h, B, readout, V, H, round_logits, logits, logits_bf16)))
         goto done;
     rows_top_k(logits, B, V, k, child, child_lp);
@@ -188,6 +193,7 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
                 row_of[f] = -1;
                 if (!(f_score[f] > bar)) continue;
                 row_of[f] = t, rows++;
+                if (heads) continue; /* Medusa: nothing runs, head s scores every node of the level */
                 if (fc_w) { /* EAGLE: [embedding; the parent's output] */
                     memcpy(x_in + t * 2 * H, embed + f_tok[f] * H, sizeof(uint16_t) * H);
                     const uint16_t *feature = s == 1 ? root_h + b * H : h_prev + prev_row_of[b * k + f_slot[f]] * H;
@@ -208,14 +214,22 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
             }
         }
         if (rows == 0) break; /* no request's tree can change any more */
-        /* the fused path's calls: (EAGLE) fc, the decoder stack over the drafter's cache, the read-out */
-        if ((fc_w && (code = treespec_linear_bf16(x_in, 1, fc_w, fc_b, h, 1, rows, H, 2 * H))) ||
+        if (heads) { /* Medusa: head s's top-k once per request, the children of each of its nodes */
+            for (int64_t b = 0; b < B; b++) memcpy(logits + b * V, root_logits + (b * heads + s) * V, sizeof(float) * V);
+            rows_top_k(logits, B, V, k, head_child, head_lp);
+            for (int64_t f = 0; f < T; f++)
+                if (row_of[f] >= 0) {
+                    memcpy(child + row_of[f] * k, head_child + f / k * k, sizeof(int64_t) * k);
+                    memcpy(child_lp + row_of[f] * k, head_lp + f / k * k, sizeof(float) * k);
+                }
+        } else if ((fc_w && (code = treespec_linear_bf16(x_in, 1, fc_w, fc_b, h, 1, rows, H, 2 * H))) ||
             (code = treespec_decoder_bf16(h, layers, final_norm, num_layers, rows, H, I, Hq, Hkv, D, eps, sm_scale,
                                           cos_l, sin_l, k_cache, v_cache, S, L, row_slot, row_prefix, row_index,
                                           row_new, level_mask, RW, no_out)) ||
             (code = read_out(h, rows, readout, V, H, round_logits, logits, logits_bf16)))
             goto done; /* out of memory: nothing committed, the tree not written */
-        rows_top_k(logits, rows, V, k, child, child_lp);
+        else
+            rows_top_k(logits, rows, V, k, child, child_lp);
         for (int64_t b = 0; b < B; b++) {
             int64_t *tok = pool_tok + b * P, *par = pool_parent + b * P, *dep = pool_depth + b * P;
             float *sc = pool_score + b * P;

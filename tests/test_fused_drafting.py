@@ -290,3 +290,40 @@ def test_a_draft_models_native_tree_is_the_tree_its_fused_levels_build(readout, 
         assert lengths[0] == lengths[1]
     with pytest.raises(ValueError, match="native=True: a static tree shape drafts level by level"):
         DraftModelProposer(draft, native=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("own_lm_head", [False, True])
+def test_medusas_native_tree_is_the_tree_the_builder_makes(own_lm_head, road):  # noqa: F811
+    """bf16 Medusa heads on the CPU kernels: the dynamic tree built in one C call from the heads'
+    fp32 logits against the PyTorch builder on the same logits, for several sizes, two requests
+    (with and without a reduced read-out), and the whole engine's output kept."""
+    from test_heads import random_heads
+
+    from treespec.proposers import MedusaProposer
+    from treespec.proposers.base import RequestResult, StepResult
+
+    model = build("llama", seed=5).to(torch.bfloat16)
+    heads = random_heads(model, num_heads=4, own_lm_head=own_lm_head).to(torch.bfloat16)
+    hidden = torch.randn(2, model.config.hidden_size).to(torch.bfloat16)
+    for readout in (None,) if own_lm_head else (None, range(64)):
+        for dynamic in [(3, 9), (2, 5), (4, 20), (8, 31)]:
+            trees = []
+            for native in (True, False):
+                p = MedusaProposer(heads, model, dynamic=dynamic, readout_ids=readout, native=native)
+                assert p.drafting_paths()["medusa heads"] == (
+                    "native tree" if native else "one multi-row read-out (native=False)"
+                )
+                p.observe(
+                    StepResult([RequestResult(i, [1], [-1], [0], [5 + i], hidden[i : i + 1]) for i in (0, 1)])
+                )
+                trees.append(p.propose(requests_of([[1, 5], [1, 6]])))
+            for name in ("tokens", "parents", "depth", "cu_nodes", "tree_mask"):
+                assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), (dynamic, readout, name)
+    want = treespec.generate(model, PROMPTS, max_new_tokens=12).sequences
+    out = treespec.generate(
+        model, PROMPTS, max_new_tokens=12, proposer=MedusaProposer(heads, model, dynamic=(3, 9))
+    )
+    assert out.sequences == want and out.stats.drafted_nodes > 0
+    with pytest.raises(ValueError, match="native=True: a static tree shape"):
+        MedusaProposer(heads, model, native=True)

@@ -11,6 +11,7 @@ Children are top-k: the deterministic rule verifies them losslessly.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -18,10 +19,13 @@ from transformers import PreTrainedModel
 
 from treespec.heads.fit import TargetShape
 from treespec.heads.medusa import MedusaHeads
+from treespec.kernels import cpu_kernels
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
 from treespec.target import linear
+from treespec.target.fused import describe_path
 from treespec.tree import (
     TokenTree,
+    TreeHost,
     TreeShape,
     build_dynamic_tree,
     build_static_tree,
@@ -43,13 +47,19 @@ class MedusaProposer(Proposer):
         dynamic: tuple[int, int] | None = None,
         linear_backend: str = "auto",
         readout_ids: Sequence[int] | torch.Tensor | None = None,
+        native: bool | None = None,
     ) -> None:
         """A static ``tree`` (default: a chain over all heads), or ``dynamic=(top_k, num_nodes)``
         for an EAGLE-2 dynamic tree whose size ``set_budget`` can change. ``linear_backend`` as
         for the Target: the heads and the target's LM head run as views with it (the modules
         passed in are left untouched). ``readout_ids``: heads that read out through the target's
         LM head use only these rows of it (a reduced draft vocabulary, as for EAGLE heads): a
-        token outside is never drafted, the output is the target's either way."""
+        token outside is never drafted, the output is the target's either way.
+
+        ``native``: on treespec's CPU kernels (linear backend "bf16-kernel"), a dynamic tree is
+        built in one C call from the heads' fp32 logits (:func:`treespec.kernels.cpu_kernels.draft_tree_bf16`):
+        the tree the PyTorch builder makes from the same logits. None (the default): wherever it
+        can; True: required (refused with the reason); False: off."""
         config = heads.config
         target = TargetShape.of(target_model)
         target.check("the Medusa heads", hidden_size=config.hidden_size, vocab_size=config.vocab_size)
@@ -84,6 +94,9 @@ class MedusaProposer(Proposer):
         self.max_tree_nodes = self.shape.num_nodes if dynamic is None else dynamic[1] + 1
         self.vocab_size = target_vocab
         self._hidden: dict[int, torch.Tensor] = {}  # request id -> [H] hidden state behind its root
+        self.native = self._native(native)
+        if self.native and self.readout_ids is not None:
+            self.readout_ids = self.readout_ids.long().contiguous()  # what the C tree reads
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
@@ -94,7 +107,9 @@ class MedusaProposer(Proposer):
             return TokenTree.roots([r.tokens[-1] for r in requests]).to(weight.device)
         shape = self.shape.cut(depth)
         hidden = torch.stack([self._hidden[r.request_id] for r in requests])  # [B, H]
-        logits = self.heads(hidden.to(weight.dtype), self.lm_head)  # [B, K, V] (or the read-out's rows)
+        logits = self._logits(hidden.to(weight.dtype))  # [B, K, V] (or the read-out's rows)
+        if self.dynamic is not None and self.native:
+            return self._native_tree(roots, logits[:, :depth].contiguous(), depth)
         if self.dynamic is not None:
             return self._dynamic(roots, logits[:, :depth], depth)
         candidates = logits.topk(shape.max_rank + 1, dim=-1).indices  # [B, K, k] distinct per row
@@ -102,9 +117,59 @@ class MedusaProposer(Proposer):
             candidates = self.readout_ids[candidates]
         return build_static_tree(shape, roots, candidates, distinct=True)
 
+    def _native(self, native: bool | None) -> bool:
+        """Whether dynamic trees are built in one C call (``native`` as the constructor takes it)."""
+        self._native_reason = "native=False"
+        if native is False:
+            return False
+        refusal = None
+        if self.dynamic is None:
+            refusal = "a static tree shape takes each head's top-k as it is"
+        elif self.heads_backend != "bf16-kernel":
+            refusal = (
+                f"the heads run on the linear backend {self.heads_backend!r}, not treespec's CPU kernels"
+            )
+        elif os.environ.get("TREESPEC_NATIVE_TREE", "1").strip().lower() in ("0", "false", "off"):
+            refusal = "turned off by TREESPEC_NATIVE_TREE=0"
+        if refusal is not None and native:
+            raise ValueError(f"native=True: {refusal}")
+        self._native_reason = refusal or ""
+        return refusal is None
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The heads' logits [B, K, V']: on treespec's CPU kernels every read-out in fp32 (the
+        sums unrounded: what the C tree ranks, on both paths)."""
+        if self.heads_backend != "bf16-kernel":
+            return self.heads(hidden, self.lm_head)
+        features = [blocks(hidden) for blocks in self.heads.blocks]  # K x [B, H]
+        if self.heads.lm_heads is None:
+            rows = torch.stack(features, 1).flatten(0, 1)  # one read-out for every head
+            return cpu_kernels.linear_unchecked(rows, self.lm_head.weight, None, fp32_out=True).unflatten(
+                0, (len(hidden), len(features))
+            )
+        return torch.stack([cpu_kernels.linear_unchecked(f, head.weight, None, fp32_out=True)
+                            for f, head in zip(features, self.heads.lm_heads, strict=True)], 1)  # fmt: skip
+
+    def _native_tree(self, roots: torch.Tensor, logits: torch.Tensor, depth: int) -> TokenTree:
+        """The tree :meth:`_dynamic` builds, in one C call over the heads' logits [B, depth, V']."""
+        top_k, num_nodes = self.dynamic
+        num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
+        batch, zeros = len(roots), torch.zeros(len(roots), dtype=torch.long)
+        stack = (None, None, None, None, 0, None, (0, 0, 0, 0, 0), 0.0, 0.0)  # nothing runs
+        tokens, parents, depths, mask, _ = cpu_kernels.draft_tree_bf16(
+            stack, (None, self.readout_ids, False), None, None, None, None,
+            (zeros, zeros, zeros, roots.long(), None, logits.float()), (top_k, depth, num_nodes),
+        )  # fmt: skip
+        kept = num_nodes + 1
+        host = TreeHost((kept,) * batch, depth, max_children=top_k)
+        return TokenTree(tokens, parents, depths, torch.arange(batch + 1) * kept, mask, None, host)
+
     def drafting_paths(self) -> dict[str, str]:
-        return {"medusa heads": "one multi-row read-out (its blocks through treespec's linear kernel)"
-                if self.heads_backend == "bf16-kernel" else f"modules (linear backend {self.heads_backend!r})"}  # fmt: skip
+        if self.heads_backend != "bf16-kernel":
+            return {"medusa heads": f"modules (linear backend {self.heads_backend!r})"}
+        if self.native:
+            return {"medusa heads": "native tree"}
+        return {"medusa heads": describe_path("one multi-row read-out", self._native_reason)}
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
         """Dynamic trees only: at most ``num_nodes`` drafted nodes from the next step on (at most

@@ -327,3 +327,27 @@ def test_medusas_native_tree_is_the_tree_the_builder_makes(own_lm_head, road):  
     assert out.sequences == want and out.stats.drafted_nodes > 0
     with pytest.raises(ValueError, match="native=True: a static tree shape"):
         MedusaProposer(heads, model, native=True)
+
+
+@needs_kernels
+def test_treespec_native_tree_0_drafts_every_tree_level_by_level_with_the_same_output(monkeypatch):
+    """The switch turns the one-call trees off for EAGLE, the draft model and Medusa, each names
+    why in its drafting path, and the output is plain decoding's."""
+    from test_heads import random_heads
+
+    from treespec.proposers import MedusaProposer
+
+    monkeypatch.setenv("TREESPEC_NATIVE_TREE", "0")
+    model, head = bf16_pair(seed=5)
+    draft = build("llama", seed=6, num_hidden_layers=2).to(torch.bfloat16)
+    medusa = random_heads(model, num_heads=3, own_lm_head=False).to(torch.bfloat16)
+    want = treespec.generate(model, PROMPTS[:2], max_new_tokens=10).sequences
+    reason = "turned off by TREESPEC_NATIVE_TREE=0"
+    for proposer, path in [
+        (EagleProposer(head, model, top_k=3, depth=4, total_tokens=9), f"fused ({reason})"),
+        (DraftModelProposer(draft, target_model=model, dynamic=(3, 4, 9)), f"fused ({reason})"),
+        (MedusaProposer(medusa, model, dynamic=(3, 9)), f"one multi-row read-out ({reason})"),
+    ]:
+        assert list(proposer.drafting_paths().values()) == [path]
+        out = treespec.generate(model, PROMPTS[:2], max_new_tokens=10, proposer=proposer)
+        assert out.sequences == want and out.stats.drafted_nodes > 0

@@ -11,8 +11,9 @@ and it does not depend on what a head learned. Each head variant runs through
 
 Then, on every instruction road the CPU has, each phase of one EAGLE-1 pass (fc, q/k/v, o,
 gate/up, down, the 8,192-column read-out) at ``--phase-rows`` rows (a level runs top_k rows:
-4 for an 8-node tree, 8 for 31) against its floor: the larger of its weight bytes at the measured
-read bandwidth and its FLOPs at the road's measured peak.
+4 for an 8-node tree, 8 for 31) against its floor: the larger of its weight bytes at the read
+bandwidth measured over a buffer the size of one pass's weights (they stay in the last-level
+cache from level to level) and its FLOPs at the road's measured peak.
 """
 
 from __future__ import annotations
@@ -103,13 +104,17 @@ def phase_table(config: EagleConfig, readout_rows: int, row_counts: list[int], r
     if not cpu_kernels.available():
         print(f"phases: treespec's CPU kernels are unavailable ({cpu_kernels.unavailable_reason()})")
         return []
-    bandwidth, out = cpu_kernels.read_bandwidth(), []
+    # the pass's weights fit in a last-level cache and nothing runs between levels: the floor reads
+    # them at the bandwidth of a buffer of their size, not of one far larger than the caches
+    pass_bytes = sum(2 * n * k for n, k in phase_shapes(config, readout_rows).values())
+    bandwidth, out = cpu_kernels.read_bandwidth(megabytes=max(1, round(pass_bytes / 2**20)), repeats=21), []
     previous = cpu_kernels.isa()
     try:
         for road in cpu_kernels.roads():
             cpu_kernels.set_isa(road)
             peak = cpu_kernels.peak_flops(road)
-            print(f"road {road}: peak {peak / 1e9:.0f} GFLOP/s, read bandwidth {bandwidth / 1e9:.1f} GB/s")
+            print(f"road {road}: peak {peak / 1e9:.0f} GFLOP/s, read bandwidth {bandwidth / 1e9:.1f} GB/s over "
+                  f"{pass_bytes / 1e6:.1f} MB (one pass's weights)")  # fmt: skip
             for rows in row_counts:
                 out += [_phase(name, shape, rows, road, peak, bandwidth, repeats)
                         for name, shape in phase_shapes(config, readout_rows).items()]  # fmt: skip

@@ -34,7 +34,7 @@ from treespec.proposers.base import ProposalRequest, Proposer, reduced_rows
 from treespec.sampling import logits_to_probs
 from treespec.target import Target, linear
 from treespec.target.cache import default_max_len
-from treespec.target.fused import describe_path, draft_tree, level_rows, native_refusal
+from treespec.target.fused import choose_native, describe_path, draft_tree, level_rows, native_refusal
 from treespec.tree import (
     BITS_PER_WORD,
     NO_PARENT,
@@ -118,20 +118,14 @@ class DraftModelProposer(Proposer):
 
     def _native(self, native: bool | None) -> bool:
         """Whether dynamic trees are drafted in one C call (``native`` as the constructor takes it)."""
-        self._native_reason = "native=False"
-        if native is False:
-            return False
-        refusal = None
         if self.dynamic is None:
             refusal = "a static tree shape drafts level by level"
         elif self.draft.fused is None:
             refusal = f"the draft does not run through the fused decoder ({self.draft.path_reason})"
         else:
             refusal = native_refusal(self.draft.model.get_input_embeddings().weight)
-        if refusal is not None and native:
-            raise ValueError(f"native=True: {refusal}")
-        self._native_reason = "native=False" if native is False else refusal or ""
-        return refusal is None
+        chosen, self._native_reason = choose_native(native, refusal)
+        return chosen
 
     def drafting_paths(self) -> dict[str, str]:
         if self.native:

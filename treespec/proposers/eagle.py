@@ -44,6 +44,7 @@ from treespec.target import StepMetadata, linear
 from treespec.target.cache import KVCache, default_max_len
 from treespec.target.fused import (
     FusedEagleLayer,
+    choose_native,
     describe_path,
     eagle_refusal,
     env_refusal,
@@ -139,12 +140,13 @@ class EagleProposer(Proposer):
         self.fused, self.path_reason = _fused_layer(
             head, self.lm_head.weight, fused, backend, attention_backend
         )
-        self.native = _native_tree(self.fused, native, self.embed.weight)
+        refusal = "the head does not run through the fused layer" if self.fused is None else None
+        self.native, native_reason = choose_native(native, refusal or native_refusal(self.embed.weight))
         if self.native and self._column_ids is not None:
             self._column_ids = self._column_ids.long().contiguous()  # what the C tree reads
         self.path = "native tree" if self.native else "fused" if self.fused is not None else "modules"
         if self.fused is not None and not self.native:
-            self.path_reason = "native=False" if native is False else native_refusal(self.embed.weight)
+            self.path_reason = native_reason
         self.max_context = max_len or default_max_len(getattr(target_config, "max_position_embeddings", None))
         drafted = 1 + (depth - 1) * top_k  # nodes run through the head per step, root pair included
         self.cache = KVCache(
@@ -448,16 +450,6 @@ def _fused_layer(
     if env_refusal() is None and weight.dtype is torch.bfloat16 and weight.device.type == "cpu":
         say_once(f"treespec drafts with the EAGLE head through its modules, not the fused layer: {refusal}")
     return None, refusal
-
-
-def _native_tree(fused: FusedEagleLayer | None, native: bool | None, embed: torch.Tensor) -> bool:
-    """Whether trees are drafted in one C call: ``native`` as EagleProposer takes it."""
-    if native is False:
-        return False
-    refusal = "the head does not run through the fused layer" if fused is None else native_refusal(embed)
-    if refusal is not None and native:
-        raise ValueError(f"native=True: {refusal}")
-    return refusal is None
 
 
 def _follow_target(head: EagleHead, target_model: PreTrainedModel) -> EagleHead:

@@ -11,7 +11,6 @@ Children are top-k: the deterministic rule verifies them losslessly.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +21,7 @@ from treespec.heads.medusa import MedusaHeads
 from treespec.kernels import cpu_kernels
 from treespec.proposers.base import ProposalRequest, Proposer, StepResult, reduced_rows
 from treespec.target import linear
-from treespec.target.fused import describe_path
+from treespec.target.fused import choose_native, describe_path, native_refusal
 from treespec.tree import (
     TokenTree,
     TreeHost,
@@ -119,22 +118,16 @@ class MedusaProposer(Proposer):
 
     def _native(self, native: bool | None) -> bool:
         """Whether dynamic trees are built in one C call (``native`` as the constructor takes it)."""
-        self._native_reason = "native=False"
-        if native is False:
-            return False
-        refusal = None
         if self.dynamic is None:
             refusal = "a static tree shape takes each head's top-k as it is"
         elif self.heads_backend != "bf16-kernel":
             refusal = (
                 f"the heads run on the linear backend {self.heads_backend!r}, not treespec's CPU kernels"
             )
-        elif os.environ.get("TREESPEC_NATIVE_TREE", "1").strip().lower() in ("0", "false", "off"):
-            refusal = "turned off by TREESPEC_NATIVE_TREE=0"
-        if refusal is not None and native:
-            raise ValueError(f"native=True: {refusal}")
-        self._native_reason = refusal or ""
-        return refusal is None
+        else:
+            refusal = native_refusal()
+        chosen, self._native_reason = choose_native(native, refusal)
+        return chosen
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The heads' logits [B, K, V']: on treespec's CPU kernels every read-out in fp32 (the

@@ -61,14 +61,25 @@ def env_refusal() -> str | None:
     raise ValueError(f"TREESPEC_FUSED must be 0 or 1, got {value!r}")
 
 
-def native_refusal(embed: torch.Tensor) -> str | None:
-    """Why a drafter on the fused path still drafts level by level instead of one C call per
-    tree (``TREESPEC_NATIVE_TREE=0``, embeddings the C tree cannot read), or None."""
+def native_refusal(embed: torch.Tensor | None = None) -> str | None:
+    """Why a drafter that could build its trees in one C call does not (``TREESPEC_NATIVE_TREE=0``,
+    embeddings the C tree cannot read), or None."""
     if os.environ.get("TREESPEC_NATIVE_TREE", "1").strip().lower() in ("0", "false", "off"):
         return "turned off by TREESPEC_NATIVE_TREE=0"
-    if not (embed.dtype is torch.bfloat16 and embed.is_contiguous()):
+    if embed is not None and not (embed.dtype is torch.bfloat16 and embed.is_contiguous()):
         return "the target's embeddings are not contiguous bf16"
     return None
+
+
+def choose_native(native: bool | None, refusal: str | None) -> tuple[bool, str]:
+    """A drafter's ``native`` argument against why it cannot build its trees in one C call
+    (``refusal``, None: it can): (whether it does, why not: "" when it does). ``native=True``
+    with a refusal raises it; False turns the one call off."""
+    if native is False:
+        return False, "native=False"
+    if refusal is not None and native:
+        raise ValueError(f"native=True: {refusal}")
+    return refusal is None, refusal or ""
 
 
 def fused_refusal(model: nn.Module) -> str | None:

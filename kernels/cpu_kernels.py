@@ -228,12 +228,12 @@ def load_library(
         + [ctypes.c_int64, ctypes.c_void_p]
         + [ctypes.c_int64] * 5
         + [ctypes.c_float] * 2
-        + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+        + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         + [ctypes.c_void_p] * 4
         + [ctypes.c_int64] * 3
         + [ctypes.c_void_p] * 6
         + [ctypes.c_int64] * 4
-        + [ctypes.c_void_p] * 5
+        + [ctypes.c_void_p] * 4
     )
     lib.treespec_draft_tree_bf16.restype = ctypes.c_int
     lib.treespec_set_isa.argtypes = [ctypes.c_int]
@@ -413,7 +413,7 @@ def decoder_bf16(
 
 def draft_tree_bf16(
     stack: tuple,
-    readout: tuple[torch.Tensor | None, torch.Tensor | None, bool],
+    readout: tuple[torch.Tensor | None, torch.Tensor | None],
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     keys: torch.Tensor | None,
@@ -425,25 +425,24 @@ def draft_tree_bf16(
     ``draft_tree.c``), drafted by an EAGLE-1 head or a draft model. ``stack``: (embeddings
     [vocab, H], fc weight [H, 2H] or None (a draft model), fc bias or None, the layers' pointer
     table, the number of layers, the final norm or None, (hidden, MLP width, query heads, KV
-    heads, head dim), eps, sm_scale); ``readout``: (weight [V, H], column ids [V] long or None,
-    whether its logits round to bf16); ``cos``, ``sin`` [R, D] rotary rows; ``rows``: per request
+    heads, head dim), eps, sm_scale); ``readout``: (weight [V, H], column ids [V] long or None),
+    read out in fp32; ``cos``, ``sin`` [R, D] rotary rows; ``rows``: per request
     its cache slot, committed length, the rotary row of its first level (level s reads row
     first + s - 1), root token (long), then the root feature [B, H] bf16 (an EAGLE head's, read
     out here) or None, and the root logits [B, V] fp32 (a draft model's), or [B, heads, V]
     (Medusa's: nothing runs, head s scores depth s; the stack, read-out weight, rotary rows and
     caches may be None), or None; ``shape``:
-    (top_k, depth, num_nodes). Returns tokens, parents, depths [B * n] long, the mask [B * n, W]
-    int32 and the scores [B * n] fp32 (n = num_nodes + 1). Raw pointers:
+    (top_k, depth, num_nodes). Returns tokens, parents, depths [B * n] long and the mask [B * n,
+    W] int32 (n = num_nodes + 1). Raw pointers:
     :func:`treespec.target.fused.draft_tree` lays out and checks every argument."""
     embed, fc_weight, fc_bias, table, num_layers, final_norm, dims, eps, sm_scale = stack
-    weight, column_ids, round_logits = readout
+    weight, column_ids = readout
     slots, committed, first_row, roots, root_h, root_logits = rows
     heads = root_logits.shape[1] if root_logits is not None and root_logits.dim() == 3 else 0  # Medusa
     top_k, depth, num_nodes = shape
     batch, kept = len(slots), num_nodes + 1
     tokens, parents, depths = (torch.empty(batch * kept, dtype=torch.long) for _ in range(3))
     mask = torch.empty(batch * kept, (kept + 31) // 32, dtype=torch.int32)
-    scores = torch.empty(batch * kept)
 
     def pointer(tensor: torch.Tensor | None) -> int | None:
         return None if tensor is None else tensor.data_ptr()
@@ -453,14 +452,13 @@ def draft_tree_bf16(
 
     code = _load()[0].treespec_draft_tree_bf16(
         pointer(embed), pointer(fc_weight), pointer(fc_bias), table, num_layers, pointer(final_norm), *dims,
-        eps, sm_scale, pointer(weight), vocab, pointer(column_ids), int(round_logits), pointer(cos), pointer(sin),
+        eps, sm_scale, pointer(weight), vocab, pointer(column_ids), pointer(cos), pointer(sin),
         pointer(keys), pointer(values), *cache_sizes, batch, slots.data_ptr(), committed.data_ptr(),
         first_row.data_ptr(), roots.data_ptr(), pointer(root_h), pointer(root_logits), heads, top_k, depth,
         num_nodes, tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), mask.data_ptr(),
-        scores.data_ptr(),
     )  # fmt: skip
     _raise_on_failure(code, f"a drafted tree of {num_nodes} nodes for {batch} requests")
-    return tokens, parents, depths, mask, scores
+    return tokens, parents, depths, mask
 
 
 def peak_flops(road: str, iterations: int = 20_000_000) -> float:

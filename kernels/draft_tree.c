@@ -82,16 +82,6 @@ static void rows_top_k(const float *logits, int64_t rows, int64_t V, int64_t k, 
     }
 }
 
-/* logits [rows, V] fp32 of h [rows, H] through the read-out, rounded to bf16 first when asked
- * (the linear kernel's bf16 output, widened: the module path's bits). */
-static int read_out(const uint16_t *h, int64_t rows, const uint16_t *readout, int64_t V, int64_t H, int64_t round,
-                    float *logits, uint16_t *bf16) {
-    if (!round) return treespec_linear_bf16(h, 1, readout, 0, logits, 0, rows, V, H);
-    const int code = treespec_linear_bf16(h, 1, readout, 0, bf16, 1, rows, V, H);
-    for (int64_t e = 0; !code && e < rows * V; e++) logits[e] = widen_one(bf16[e]);
-    return code;
-}
-
 /* treespec_draft_tree_bf16: B requests' trees of num_nodes drafted nodes each, drafted by an
  * EAGLE-1 head (fc_w not NULL) or by a draft model (fc_w NULL).
  *
@@ -100,8 +90,7 @@ static int read_out(const uint16_t *h, int64_t rows, const uint16_t *readout, in
  * num_layers * W_COUNT pointers (as treespec_decoder_bf16 reads them: an EAGLE layer has no input
  * norm) and its final norm (NULL: none, EAGLE), the sizes (H, I, Hq, Hkv, D), eps and sm_scale;
  * the read-out [V, H] (an LM head, or the rows of a reduced draft vocabulary), column_ids [V]
- * (the token of each column; NULL: column c is token c) and round_logits (1: the read-out's
- * logits rounded to bf16, as a draft model's module path gives them; 0: fp32). cos, sin [R, D]:
+ * (the token of each column; NULL: column c is token c), read out in fp32. cos, sin [R, D]:
  * rotary rows, level s of request b (at position committed + s - 1) reading row
  * first_row[b] + s - 1. The drafter's KV cache [num_layers, S, Hkv, L, D], each request's slot and
  * committed length, its root token and either root_logits [B, V] fp32 (a draft model's, from its
@@ -112,26 +101,24 @@ static int read_out(const uint16_t *h, int64_t rows, const uint16_t *readout, in
  * node's from head s (depth <= heads); embed, the stack and the cache are unused.
  *
  * Out, per request b at b * (num_nodes + 1): tokens, parents (within the tree, -1 at the root),
- * depths, the ancestor-and-self mask [num_nodes + 1, W] (W = ceil((num_nodes + 1) / 32) words),
- * and, where `scores` is not NULL, each node's cumulative log-prob. Needs
+ * depths and the ancestor-and-self mask [num_nodes + 1, W] (W = ceil((num_nodes + 1) / 32) words). Needs
  * 1 <= num_nodes <= k + (depth - 1) k^2, k <= V and room for (depth - 1) k rows past every
  * committed length (the caller checks). Returns 0, or TREESPEC_NO_MEMORY (the tree not written). */
 int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const uint16_t *fc_b,
                              const void *const *layers, int64_t num_layers, const uint16_t *final_norm, int64_t H,
                              int64_t I, int64_t Hq, int64_t Hkv, int64_t D, float eps, float sm_scale,
-                             const uint16_t *readout, int64_t V, const int64_t *column_ids, int64_t round_logits,
+                             const uint16_t *readout, int64_t V, const int64_t *column_ids,
                              const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache, int64_t S,
                              int64_t L, int64_t B, const int64_t *slots, const int64_t *committed,
                              const int64_t *first_row, const int64_t *roots, const uint16_t *root_h,
                              const float *root_logits, int64_t heads, int64_t k, int64_t depth, int64_t num_nodes,
-                             int64_t *tokens,
-                             int64_t *parents, int64_t *depths, int32_t *mask, float *scores) {
+                             int64_t *tokens, int64_t *parents, int64_t *depths, int32_t *mask) {
     const int64_t T = B * k, levels = depth - 1, run = levels * k; /* rows per level; nodes run per request */
     const int64_t P = 1 + k + levels * k * k, kept = num_nodes + 1; /* drafted nodes per request, root included */
     const int64_t RW = run > 0 ? (run + 31) / 32 : 1, W = (kept + 31) / 32;
     const int64_t rows_out = B > T ? B : T;
     /* one block for everything: bf16 rows, fp32 logits, the pool, the frontier, the masks */
-    const size_t bytes = sizeof(uint16_t) * (T * 2 * H + 2 * T * H + 2 * T * D + rows_out * V) +
+    const size_t bytes = sizeof(uint16_t) * (T * 2 * H + 2 * T * H + 2 * T * D) +
                          sizeof(float) * rows_out * V + sizeof(void *) * num_layers +
                          sizeof(int64_t) * (4 * T + rows_out * k + 3 * B * P + 5 * T + P + B * k) +
                          sizeof(float) * (rows_out * k + B * P + T + P + B * k) + sizeof(int32_t) * (T * RW) +
@@ -142,7 +129,7 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     uint16_t *x_in = TAKE(uint16_t, T * 2 * H), *h = TAKE(uint16_t, T * H), *h_prev = TAKE(uint16_t, T * H);
     uint16_t *cos_l = TAKE(uint16_t, T * D), *sin_l = TAKE(uint16_t, T * D);
     float *logits = TAKE(float, rows_out * V), *child_lp = TAKE(float, rows_out * k);
-    uint16_t *logits_bf16 = TAKE(uint16_t, rows_out * V), **no_out = TAKE(uint16_t *, num_layers);
+    uint16_t **no_out = TAKE(uint16_t *, num_layers);
     int64_t *row_slot = TAKE(int64_t, T), *row_prefix = TAKE(int64_t, T), *row_index = TAKE(int64_t, T),
             *row_new = TAKE(int64_t, T), *child = TAKE(int64_t, rows_out * k);
     int64_t *pool_tok = TAKE(int64_t, B * P), *pool_parent = TAKE(int64_t, B * P), *pool_depth = TAKE(int64_t, B * P);
@@ -161,7 +148,7 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     int code = 0;
     if (root_logits) /* a draft model's [B, V], or Medusa's heads [B, heads, V] (head 0 for the root) */
         for (int64_t b = 0; b < B; b++) memcpy(logits + b * V, root_logits + b * (heads ? heads : 1) * V, sizeof(float) * V);
-    else if ((code = read_out(root_h, B, readout, V, H, round_logits, logits, logits_bf16)))
+    else if ((code = treespec_linear_bf16(root_h, 1, readout, 0, logits, 0, B, V, H)))
         goto done;
     rows_top_k(logits, B, V, k, child, child_lp);
     for (int64_t b = 0; b < B; b++) {
@@ -226,7 +213,7 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
             (code = treespec_decoder_bf16(h, layers, final_norm, num_layers, rows, H, I, Hq, Hkv, D, eps, sm_scale,
                                           cos_l, sin_l, k_cache, v_cache, S, L, row_slot, row_prefix, row_index,
                                           row_new, level_mask, RW, no_out)) ||
-            (code = read_out(h, rows, readout, V, H, round_logits, logits, logits_bf16)))
+            (code = treespec_linear_bf16(h, 1, readout, 0, logits, 0, rows, V, H)))
             goto done; /* out of memory: nothing committed, the tree not written */
         else
             rows_top_k(logits, rows, V, k, child, child_lp);
@@ -272,7 +259,6 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
         for (int64_t i = 0; i < kept; i++) {
             const int64_t node = b * kept + i, id = chosen[i], parent = par[id] < 0 ? -1 : where[par[id]];
             tokens[node] = tok[id], parents[node] = parent, depths[node] = dep[id];
-            if (scores) scores[node] = sc[id];
             if (parent >= 0) memcpy(bits + i * W, bits + parent * W, sizeof(uint32_t) * W);
             bits[i * W + (i >> 5)] |= 1u << (i & 31);
         }

@@ -39,7 +39,6 @@ from treespec.tree import (
     BITS_PER_WORD,
     NO_PARENT,
     TokenTree,
-    TreeHost,
     TreeShape,
     build_dynamic_tree,
     chain,
@@ -225,15 +224,13 @@ class DraftModelProposer(Proposer):
         decoder (fp32 read-out logits, as :meth:`_read_out` gives them there)."""
         fused = self.draft.fused
         readout = (fused.lm_head, None) if self.readout is None else (self.readout.weight, self.readout_ids)
-        tokens, parents, depths, mask, _ = draft_tree(
-            fused.tree_stack(), fused.rotary, (*readout, False), self.cache,
+        flat = draft_tree(
+            fused.tree_stack(), fused.rotary, readout, self.cache,
             ([self._slot[r.request_id] for r in requests], [r.tokens[-1] for r in requests]),
             (None, root_logits), shape,
         )  # fmt: skip
-        top_k, depth, num_nodes = shape
-        kept, batch = num_nodes + 1, len(requests)
-        host = TreeHost((kept,) * batch, depth, max_children=top_k)
-        return TokenTree(tokens, parents, depths, torch.arange(batch + 1) * kept, mask, None, host)
+        top_k, depth, _ = shape
+        return TokenTree.equal_sized(flat, len(requests), depth, top_k)
 
     def _score_levels(self, requests, levels, widen: bool = True) -> torch.Tensor:
         """Draft logits at the newest frontier [B, K, V'] (``widen``: over the whole vocabulary,

@@ -55,7 +55,6 @@ from treespec.target.fused import (
 from treespec.tree import (
     NO_PARENT,
     TokenTree,
-    TreeHost,
     budget_top_k,
     build_dynamic_tree,
     check_dynamic_budget,
@@ -289,14 +288,12 @@ class EagleProposer(Proposer):
         """The same tree as :meth:`_draft` in one C call (``FusedEagleLayer.draft_tree``): every
         level, the top-k, the scores and the rerank inside, the head's weights hot in cache."""
         num_nodes = min(self.total_tokens, dynamic_capacity(self.top_k, depth))
-        tokens, parents, depths, mask, _ = self.fused.draft_tree(
+        flat = self.fused.draft_tree(
             self.embed.weight, self.lm_head.weight, self._column_ids, self.cache,
             ([self._slot[r.request_id] for r in requests], [r.tokens[-1] for r in requests]),
             root_features, (self.top_k, depth, num_nodes),
         )  # fmt: skip
-        kept, batch = num_nodes + 1, len(requests)
-        host = TreeHost((kept,) * batch, depth, max_children=self.top_k)
-        return TokenTree(tokens, parents, depths, torch.arange(batch + 1) * kept, mask, None, host)
+        return TokenTree.equal_sized(flat, len(requests), depth, self.top_k)
 
     def _expand(
         self, level: _Levels, step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor

@@ -24,7 +24,6 @@ from treespec.target import linear
 from treespec.target.fused import choose_native, describe_path, native_refusal
 from treespec.tree import (
     TokenTree,
-    TreeHost,
     TreeShape,
     build_dynamic_tree,
     build_static_tree,
@@ -147,15 +146,13 @@ class MedusaProposer(Proposer):
         """The tree :meth:`_dynamic` builds, in one C call over the heads' logits [B, depth, V']."""
         top_k, num_nodes = self.dynamic
         num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
-        batch, zeros = len(roots), torch.zeros(len(roots), dtype=torch.long)
+        zeros = torch.zeros(len(roots), dtype=torch.long)
         stack = (None, None, None, None, 0, None, (0, 0, 0, 0, 0), 0.0, 0.0)  # nothing runs
-        tokens, parents, depths, mask, _ = cpu_kernels.draft_tree_bf16(
-            stack, (None, self.readout_ids, False), None, None, None, None,
+        flat = cpu_kernels.draft_tree_bf16(
+            stack, (None, self.readout_ids), None, None, None, None,
             (zeros, zeros, zeros, roots.long(), None, logits.float()), (top_k, depth, num_nodes),
         )  # fmt: skip
-        kept = num_nodes + 1
-        host = TreeHost((kept,) * batch, depth, max_children=top_k)
-        return TokenTree(tokens, parents, depths, torch.arange(batch + 1) * kept, mask, None, host)
+        return TokenTree.equal_sized(flat, len(roots), depth, top_k)
 
     def drafting_paths(self) -> dict[str, str]:
         if self.heads_backend != "bf16-kernel":

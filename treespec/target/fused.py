@@ -178,7 +178,7 @@ class RotaryTable:
 def draft_tree(
     stack: tuple,
     rotary: RotaryTable,
-    readout: tuple[torch.Tensor, torch.Tensor | None, bool],
+    readout: tuple[torch.Tensor, torch.Tensor | None],
     cache: object,
     requests: tuple[list[int], list[int]],
     roots: tuple[torch.Tensor | None, torch.Tensor | None],
@@ -190,7 +190,7 @@ def draft_tree(
     (cache slots, root tokens), ``roots`` (root features [B, H] or None, root logits [B, V] or
     None), ``shape`` (top_k, depth, num_nodes). Level s of request b runs at position committed
     + s - 1, its K/V written past the committed length (nothing is committed). Returns tokens,
-    parents, depths [B * n], the mask [B * n, W] and the scores (n = num_nodes + 1)."""
+    parents, depths [B * n] and the mask [B * n, W] (n = num_nodes + 1)."""
     slots, root_tokens = requests
     top_k, depth, _ = shape
     levels = max(depth - 1, 1)
@@ -469,6 +469,4 @@ class FusedEagleLayer:
         ``requests`` their (head cache slots, root tokens), ``root_h`` [B, H] the head's outputs at
         the roots, read out inside."""
         stack = (embed, *self.fc, self._table, 1, None, self.shape, self.eps, self.sm_scale)
-        return draft_tree(
-            stack, self.rotary, (readout, column_ids, False), cache, requests, (root_h, None), shape
-        )
+        return draft_tree(stack, self.rotary, (readout, column_ids), cache, requests, (root_h, None), shape)

@@ -161,6 +161,19 @@ class TokenTree:
         )  # fmt: skip
 
     @classmethod
+    def equal_sized(
+        cls, flat: tuple[torch.Tensor, ...], num_requests: int, max_depth: int, max_children: int
+    ) -> TokenTree:
+        """B trees of the same size laid back to back, as a native drafter writes them: ``flat``
+        (tokens, parents, depth [B * n] long, tree_mask [B * n, W] int32); the host knows their
+        sizes, a depth bound and a bound on any node's children, and reads nothing."""
+        tokens, parents, depth, mask = flat
+        size = len(tokens) // num_requests
+        cu_nodes = torch.arange(num_requests + 1, device=tokens.device) * size
+        host = TreeHost((size,) * num_requests, max_depth, max_children=max_children)
+        return cls(tokens, parents, depth, cu_nodes, mask, None, host)
+
+    @classmethod
     def roots(cls, tokens: Sequence[int]) -> TokenTree:
         """The tree of a step that drafts nothing: one root per request (its last committed
         token), the tree every proposer returns when its budget is zero."""

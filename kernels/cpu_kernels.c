@@ -8,17 +8,20 @@
  * multiplies pairs with vdpbf16ps (see that road below).
  *
  * Batch invariance: every output y[m, n] is computed by the same sequence of operations whatever
- * M is and wherever row m falls. On the AVX2 road eight fp32 lanes accumulate x[m, k:k+8] *
- * W[n, k:k+8] with fused multiply-adds in increasing k, the lanes are summed in one fixed order,
- * and the K % 8 tail is added last, one fused multiply-add per k. A row scored alone (an
- * autoregressive step) and the same row scored among a tree's rows give the same bits. Built
- * with -ffp-contract=off, so the compiler adds no fusions of its own. The plain reference of
- * this contract is treespec.kernels.cpu_kernels.linear_reference (the same sums in float64).
+ * M is and wherever row m falls. On the AVX2 road x is packed in pairs (per block of 16 columns
+ * the even ones, then the odd ones) and lane j of eight fp32 lanes accumulates x[m, 16i + 2j] *
+ * W[n, 16i + 2j], then x[m, 16i + 2j + 1] * W[n, 16i + 2j + 1], with fused multiply-adds in
+ * increasing i; the lanes are summed in one fixed order, and the K % 16 tail is added last, one
+ * fused multiply-add per k. A row scored alone (an autoregressive step) and the same row scored
+ * among a tree's rows give the same bits. Built with -ffp-contract=off, so the compiler adds no
+ * fusions of its own. The plain reference of this contract is
+ * treespec.kernels.cpu_kernels.linear_reference (the same sums in float64).
  *
- * Work split: threads take contiguous ranges of weight-row quads (OpenMP, the process's own
- * runtime: PyTorch's libgomp is already loaded and serves this library too); within a range,
+ * Work split: threads take contiguous ranges of groups of 12 weight rows (OpenMP, the process's
+ * own runtime: PyTorch's libgomp is already loaded and serves this library too); within a range,
  * rows of x go by blocks of 64 (a block stays in L2 while the weight streams past it), and
- * register tiles of up to four weight rows by four x rows do the arithmetic.
+ * register tiles sized to the road do the arithmetic (AVX2: six x rows by two weight rows, down
+ * to one x row by six; see block_rows).
  *
  * Failure: an entry point that cannot allocate its work buffers returns TREESPEC_NO_MEMORY before
  * computing anything (the Python side raises MemoryError); nothing here aborts the process.
@@ -57,64 +60,103 @@ static inline float add_tail(const float *x, const uint16_t *w, int64_t k0, int6
     return acc;
 }
 
-/* R rows of x (stride K) against C rows of W (stride K) into y (row stride N), plus the bias. */
+/* The AVX2 road reads x packed in pairs (pack_pairs): per block of 16 columns, the 8 even
+ * columns then the 8 odd ones, the K % 16 tail as it is. A weight block of 16 bf16 (one 256-bit
+ * load) widens to its even columns with a shift and to its odd ones with a mask, one integer
+ * operation per 8 products (the shift-and-zero-extend of 8 columns took two, on the ports the
+ * FMAs share). */
+#define PAIR_BLOCK 16
+
+/* R rows of packed x (stride K) against C rows of W (stride K) into y (row stride N), plus the
+ * bias. Lane j of an output's accumulator adds x[16i + 2j] w[16i + 2j], then x[16i + 2j + 1]
+ * w[16i + 2j + 1], in increasing i (fused multiply-adds); the lanes are summed in lanes_sum's
+ * order and the K % 16 tail is added last, one fused multiply-add per column. `prefetch`: the
+ * next C weight rows, spread over this tile's blocks. */
 static inline __attribute__((always_inline)) void tile(const float *x, const uint16_t *w, const float *bias,
                                                        float *y, int64_t N, int64_t K, const int R, const int C,
                                                        const char *prefetch) {
-    __m256 acc[4][4];
+    __m256 acc[6][6];
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    const int64_t K8 = K & ~(int64_t)7;
-    for (int64_t k = 0; k < K8; k += 8) {
-        if (prefetch) _mm_prefetch(prefetch + k * 8, _MM_HINT_T0); /* one line of the next weight rows */
-        __m256 wv[4];
-        for (int c = 0; c < C; c++) wv[c] = widen_bf16(w + c * K + k);
+    const int64_t K16 = K & ~(int64_t)(PAIR_BLOCK - 1);
+    for (int64_t k = 0; k < K16; k += PAIR_BLOCK) {
+        if (prefetch) /* C * 32 bytes of the next rows per block */
+            for (int line = 0; line < (C + 1) / 2; line++) _mm_prefetch(prefetch + 2 * C * k + 64 * line, _MM_HINT_T0);
+        __m256 wv[6];
+        for (int c = 0; c < C; c++)
+            wv[c] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(w + c * K + k)), 16));
         for (int r = 0; r < R; r++) {
-            __m256 xv = _mm256_loadu_ps(x + r * K + k);
+            const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+        for (int c = 0; c < C; c++)
+            wv[c] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + c * K + k)), odd));
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_loadu_ps(x + r * K + k + 8);
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
         }
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
-            float dot = add_tail(x + r * K, w + c * K, K8, K, lanes_sum(acc[r][c]));
+            float dot = add_tail(x + r * K, w + c * K, K16, K, lanes_sum(acc[r][c]));
             y[r * N + c] = bias ? dot + bias[c] : dot;
         }
 }
 
-/* R rows of x against all C <= 4 weight rows at once (C known only at run time: one tile per C). */
-static inline __attribute__((always_inline)) void all_columns(const float *x, const uint16_t *w, const float *bias,
-                                                              float *y, int64_t N, int64_t K, const int R, int C,
-                                                              const char *prefetch) {
-    switch (C) {
-        case 4: tile(x, w, bias, y, N, K, R, 4, prefetch); break;
-        case 3: tile(x, w, bias, y, N, K, R, 3, prefetch); break;
-        case 2: tile(x, w, bias, y, N, K, R, 2, prefetch); break;
-        default: tile(x, w, bias, y, N, K, R, 1, prefetch); break;
+/* The weight rows a tile of R x rows takes at once: as many as 16 registers hold beside R * C
+ * accumulators, the x row and the mask (1: 6, 2: 4, 3: 3, 4-6: 2). A GROUP of weight rows is a
+ * multiple of each, so every tile of a group sweeps it in whole steps. */
+#define GROUP 12
+static inline int tile_columns(int R) { return R == 1 ? 6 : R == 2 ? 4 : R == 3 ? 3 : 2; }
+
+/* R x rows against C <= tile_columns(R) weight rows (C known only at run time: one tile per C). */
+#define TILE_CASE(R, C) \
+    case C: tile(x, w, bias, y, N, K, R, C, prefetch); break
+static inline __attribute__((always_inline)) void rows_tile(const float *x, const uint16_t *w, const float *bias,
+                                                            float *y, int64_t N, int64_t K, const int R, int C,
+                                                            const char *prefetch) {
+    switch (R) {
+        case 1: switch (C) { TILE_CASE(1, 6); TILE_CASE(1, 5); TILE_CASE(1, 4); TILE_CASE(1, 3); TILE_CASE(1, 2); default: tile(x, w, bias, y, N, K, 1, 1, prefetch); } break;
+        case 2: switch (C) { TILE_CASE(2, 4); TILE_CASE(2, 3); TILE_CASE(2, 2); default: tile(x, w, bias, y, N, K, 2, 1, prefetch); } break;
+        case 3: switch (C) { TILE_CASE(3, 3); TILE_CASE(3, 2); default: tile(x, w, bias, y, N, K, 3, 1, prefetch); } break;
+        case 4: if (C == 2) tile(x, w, bias, y, N, K, 4, 2, prefetch); else tile(x, w, bias, y, N, K, 4, 1, prefetch); break;
+        case 5: if (C == 2) tile(x, w, bias, y, N, K, 5, 2, prefetch); else tile(x, w, bias, y, N, K, 5, 1, prefetch); break;
+        default: if (C == 2) tile(x, w, bias, y, N, K, 6, 2, prefetch); else tile(x, w, bias, y, N, K, 6, 1, prefetch); break;
     }
 }
+#undef TILE_CASE
 
-/* Rows m0..m1 of x against C <= 4 consecutive rows of W. Tiles of 4 x rows take the weight rows
- * two at a time (16 registers would not hold 4 x 4 accumulators); the last one to three rows take
- * them all at once (more independent accumulators for the one-row step, which is latency-bound
- * otherwise). The tile shape never changes what is computed for an output, only how many are
- * computed together. */
+/* Rows m0..m1 of packed x against G <= GROUP consecutive rows of W. The rows go by tiles of six
+ * (the most products per widened weight) and the last 1-5 rows as one tile, except that four rows
+ * go as two tiles of two (one tile of four by two weight rows measured slower on Zen 3), and a
+ * remainder of one after sixes goes as 2 + 5 (a one-row tile widens every weight for one
+ * product). A block of exactly four rows takes the group four weight rows at a time, both tiles
+ * on each chunk while it is in L1, so the pass that streams the weight from memory does all
+ * four rows' products. The tile shape never changes what is computed for an output, only how
+ * many are computed together (tests/test_cpu_kernels.py: the same bits at every row count). */
 static void block_rows(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m0, int64_t m1,
-                       int64_t N, int64_t K, int C) {
-    /* While the first tile streams these C rows of W, it prefetches the next four rows (one cache
-     * line per 8 columns: the next block's bytes, spread over this block's loop), so that reading
-     * the weight from memory, which bounds a step of a few rows, keeps more lines in flight. */
-    const char *next = (const char *)(w + C * K);
-    int64_t m = m0;
-    for (; m + 4 <= m1; m += 4)
-        for (int c = 0; c < C; c += 2) {
-            const char *pf = m == m0 ? next + c * K * 2 : 0;
-            if (c + 1 < C)
-                tile(x + m * K, w + c * K, bias ? bias + c : 0, y + m * N + c, N, K, 4, 2, pf);
-            else
-                tile(x + m * K, w + c * K, bias ? bias + c : 0, y + m * N + c, N, K, 4, 1, pf);
-        }
-    for (; m + 2 <= m1; m += 2) all_columns(x + m * K, w, bias, y + m * N, N, K, 2, C, m == m0 ? next : 0);
-    for (; m < m1; m++) all_columns(x + m * K, w, bias, y + m * N, N, K, 1, C, m == m0 ? next : 0);
+                       int64_t N, int64_t K, int G) {
+    /* While the first tile streams a chunk, it prefetches the same chunk of the next group (a
+     * step of a few rows is bound by reading the weight from memory; more lines in flight read
+     * it faster). */
+    const char *next = (const char *)(w + G * K);
+    if (m1 - m0 == 4) {
+        for (int c = 0; c < G; c += 4)
+            for (int64_t m = m0; m < m1; m += 2)
+                rows_tile(x + m * K, w + c * K, bias ? bias + c : 0, y + m * N + c, N, K, 2, G - c < 4 ? G - c : 4,
+                          m == m0 ? next + 2 * c * K : 0);
+        return;
+    }
+    for (int64_t m = m0; m < m1;) {
+        const int64_t left = m1 - m;
+        const int R = left >= 6 && left != 7 ? 6 : left == 7 || left == 4 ? 2 : (int)left;
+        const int C = tile_columns(R);
+        for (int c = 0; c < G; c += C)
+            rows_tile(x + m * K, w + c * K, bias ? bias + c : 0, y + m * N + c, N, K, R, G - c < C ? G - c : C,
+                      m == m0 ? next + 2 * c * K : 0);
+        m += R;
+    }
 }
 
 /* The AVX512-BF16 road (Cooper Lake, Sapphire Rapids and later Xeons, Zen 4 and later): x stays
@@ -452,40 +494,76 @@ static inline __m256i round_bf16x8(__m256 f) {
 /* widen_one(round_bf16(v)) on eight lanes. */
 static inline __m256 widen_rounded8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(round_bf16x8(v), 16)); }
 
+/* x rows m0..m1 (fp32, stride K) packed in pairs for the AVX2 tiles, into xp [m1 - m0, K]: per
+ * block of 16 columns the 8 even ones then the 8 odd ones, the K % 16 tail as it is. */
+static void pack_pairs(const float *x, int64_t m0, int64_t m1, int64_t K, float *xp) {
+    const int64_t K16 = K & ~(int64_t)(PAIR_BLOCK - 1);
+    for (int64_t m = m0; m < m1; m++) {
+        const float *row = x + m * K;
+        float *out = xp + (m - m0) * K;
+        for (int64_t k = 0; k < K16; k += PAIR_BLOCK) {
+            const __m256 a = _mm256_loadu_ps(row + k), b = _mm256_loadu_ps(row + k + 8);
+            const __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)); /* a0 a2 b0 b2 | a4 a6 b4 b6 */
+            const __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+            _mm256_storeu_ps(out + k, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xd8)));
+            _mm256_storeu_ps(out + k + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xd8)));
+        }
+        memcpy(out + K16, row + K16, sizeof(float) * (K - K16));
+    }
+}
+
+/* Whether a linear over x (xb: its bf16 copy, or NULL) runs the AVX2 tiles on this road. */
+static inline int avx2_tiles(const uint16_t *xb) { return g_isa == ISA_AVX2 || !xb; }
+
+/* The scratch one thread of linear_share needs for M rows of K columns, in 4-byte words: AMX's
+ * pairs, or the AVX2 tiles' packed rows of one block. */
+static int64_t share_scratch(const uint16_t *xb, int64_t M, int64_t K) {
+    if (avx2_tiles(xb)) return (M < ROW_BLOCK ? M : ROW_BLOCK) * K;
+    return g_isa == ISA_AMX ? amx_pack_size(M, K) : 0;
+}
+
 /* One thread's share of y_i = x W_i^T + bias_i for `count` matrices read from the same x (fp32
- * [M, K]): thread `me` of `threads` takes a contiguous range of the matrices' weight-row quads
- * (matrix i owns quads first_quad[i] .. first_quad[i+1]-1) and computes them for every row of x,
- * by blocks of ROW_BLOCK rows. y_i are fp32 [M, N_i]; biases fp32 (each may be NULL). */
+ * [M, K]): thread `me` of `threads` takes a contiguous range of the matrices' groups of GROUP
+ * weight rows (matrix i owns groups first_group[i] .. first_group[i+1]-1) and computes them for
+ * every row of x, by blocks of ROW_BLOCK rows. y_i are fp32 [M, N_i]; biases fp32 (each may be
+ * NULL). scratch: share_scratch(xb, M, K) words of this thread's own. */
 static void linear_share(int64_t me, int64_t threads, const float *x, const uint16_t *xb, int64_t M, int64_t K,
                          int count, const uint16_t *const *w, const float *const *bias, float *const *y,
-                         const int64_t *N, const int64_t *first_quad, uint32_t *xp) {
-    if (g_isa == ISA_AMX && xb) { /* xp: this thread's amx_pack_size(M, K) pairs */
+                         const int64_t *N, const int64_t *first_group, void *scratch) {
+    if (g_isa == ISA_AMX && xb) {
         int64_t first_block[count + 1];
         block_offsets(count, N, first_block);
-        amx_share(me, threads, xb, M, K, count, w, bias, y, N, first_block, xp);
+        amx_share(me, threads, xb, M, K, count, w, bias, y, N, first_block, scratch);
         return;
     }
-    const int bf16 = g_isa == ISA_AVX512_BF16 && xb;
-    const int64_t quads = first_quad[count];
-    const int64_t q0 = quads * me / threads, q1 = quads * (me + 1) / threads;
+    const int tiles = avx2_tiles(xb);
+    const int64_t groups = first_group[count];
+    const int64_t g0 = groups * me / threads, g1 = groups * (me + 1) / threads;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
+        if (tiles) {
+            if (g0 == g1) break; /* nothing to compute: no rows to pack */
+            pack_pairs(x, m0, m1, K, scratch);
+        }
         int i = 0;
-        for (int64_t q = q0; q < q1; q++) {
-            while (q >= first_quad[i + 1]) i++;
-            const int64_t n = 4 * (q - first_quad[i]);
-            const int C = N[i] - n < 4 ? (int)(N[i] - n) : 4;
-            if (bf16)
-                block_rows_bf16(xb, w[i] + n * K, bias[i] ? bias[i] + n : 0, y[i] + n, m0, m1, N[i], K, C);
-            else
-                block_rows(x, w[i] + n * K, bias[i] ? bias[i] + n : 0, y[i] + n, m0, m1, N[i], K, C);
+        for (int64_t g = g0; g < g1; g++) {
+            while (g >= first_group[i + 1]) i++;
+            const int64_t n = GROUP * (g - first_group[i]);
+            const int G = N[i] - n < GROUP ? (int)(N[i] - n) : GROUP;
+            const float *b = bias[i] ? bias[i] + n : 0;
+            if (tiles)
+                block_rows(scratch, w[i] + n * K, b, y[i] + m0 * N[i] + n, 0, m1 - m0, N[i], K, G);
+            else /* AVX512-BF16: tiles of up to four weight rows */
+                for (int c = 0; c < G; c += 4)
+                    block_rows_bf16(xb, w[i] + (n + c) * K, b ? b + c : 0, y[i] + n + c, m0, m1, N[i], K,
+                                    G - c < 4 ? G - c : 4);
         }
     }
 }
 
-static void quad_offsets(int count, const int64_t *N, int64_t *first_quad) {
-    first_quad[0] = 0;
-    for (int i = 0; i < count; i++) first_quad[i + 1] = first_quad[i] + (N[i] + 3) / 4;
+static void group_offsets(int count, const int64_t *N, int64_t *first_group) {
+    first_group[0] = 0;
+    for (int i = 0; i < count; i++) first_group[i + 1] = first_group[i] + (N[i] + GROUP - 1) / GROUP;
 }
 
 /* For each of `count` matrices i: y_i[M, N_i] = x[M, K] W_i[N_i, K]^T + bias_i[N_i], in one
@@ -500,7 +578,7 @@ int treespec_linear_bf16_many(const void *x_in, int x_bf16, int count, const uin
     float *x = widen ? malloc(sizeof(float) * M * K) : (float *)x_in;
     float *y[count], *bias[count];
     const int team = omp_get_max_threads();
-    const int64_t pack = g_isa == ISA_AMX && xb ? amx_pack_size(M, K) : 0;
+    const int64_t pack = share_scratch(xb, M, K);
     uint32_t *xp = pack ? malloc(sizeof(uint32_t) * pack * team) : 0;
     int failed = (widen && !x) || (pack && !xp);
     for (int i = 0; i < count; i++) {
@@ -519,15 +597,15 @@ int treespec_linear_bf16_many(const void *x_in, int x_bf16, int count, const uin
     }
     if (widen)
         for (int64_t i = 0; i < M * K; i++) x[i] = widen_one(xb[i]);
-    int64_t first_quad[count + 1];
-    quad_offsets(count, N, first_quad);
+    int64_t first_group[count + 1];
+    group_offsets(count, N, first_group);
     for (int i = 0; i < count; i++)
         if (bias[i])
             for (int64_t n = 0; n < N[i]; n++) bias[i][n] = widen_one(bias_in[i][n]);
 #pragma omp parallel num_threads(team)
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        linear_share(me, threads, x, xb, M, K, count, w, (const float *const *)bias, y, N, first_quad,
+        linear_share(me, threads, x, xb, M, K, count, w, (const float *const *)bias, y, N, first_group,
                      xp ? xp + me * pack : 0);
         if (y_bf16) {
 #pragma omp barrier
@@ -1123,7 +1201,7 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
     uint16_t *xb = malloc(sizeof(uint16_t) * T * widest_in); /* the same input in bf16 (AVX512-BF16 road) */
     uint16_t *qb = malloc(sizeof(uint16_t) * T * QD), *attn = malloc(sizeof(uint16_t) * T * QD);
     const int team = omp_get_max_threads();
-    const int64_t pack = g_isa == ISA_AMX ? amx_pack_size(T, widest_in) : 0;
+    const int64_t pack = share_scratch(xb, T, widest_in); /* xb is set whenever it matters */
     uint32_t *xp = pack ? malloc(sizeof(uint32_t) * pack * team) : 0;
     const int64_t cap = T * (Hq / Hkv) / AMX_COLUMNS + T + 1;
     int64_t *items = amx_attention(D) ? malloc(sizeof(int64_t) * 3 * cap) : 0;
@@ -1141,10 +1219,10 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
     }
     const int64_t n_qkv[3] = {QD, KD, KD}, n_gu[2] = {I, I}, n_h[1] = {H};
     int64_t fq_qkv[4], fq_gu[3], fq_h[2], fq_down[2];
-    quad_offsets(3, n_qkv, fq_qkv);
-    quad_offsets(2, n_gu, fq_gu);
-    quad_offsets(1, n_h, fq_h);
-    quad_offsets(1, n_h, fq_down);
+    group_offsets(3, n_qkv, fq_qkv);
+    group_offsets(2, n_gu, fq_gu);
+    group_offsets(1, n_h, fq_h);
+    group_offsets(1, n_h, fq_down);
     float *y_qkv[3] = {y, y + T * QD, y + T * (QD + KD)}, *y_gu[2] = {y, y + T * I}, *y_h[1] = {y};
     const int64_t count = items ? amx_items(T, Hq / Hkv, row_slot, row_prefix, row_new, items, items + cap, items + 2 * cap) : 0;
     MARK_START();

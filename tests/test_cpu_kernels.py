@@ -36,23 +36,26 @@ def road(request):
 @needs_kernels
 @pytest.mark.parametrize("shape", [(40, 48), (7, 13), (5, 8), (130, 200)])  # K and N tails, odd sizes
 def test_linear_matches_float64_and_is_batch_invariant(shape, road):
-    """On every road, 37 rows (AMX: two full chunks of 16 and a partial one) against weights with
-    row and column tails: close to float64, and each row's bits the same in any batch."""
+    """On every road, 70 rows (AMX: four full chunks of 16 and a partial one; AVX2: a block of 64
+    and a partial one) against weights with row and column tails: close to float64, and each
+    row's bits the same in any batch, whatever tiles its row count takes (AVX2: 1-6 rows as one
+    tile or two, more by sixes with the remainders)."""
     torch.manual_seed(0)
     n, k = shape
     weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
-    x = torch.randn(37, k)
+    x = torch.randn(70, k)
     full = cpu_kernels.linear_bf16(x, weight)
     torch.testing.assert_close(full, cpu_kernels.linear_reference(x, weight), atol=1e-4, rtol=1e-5)
     rounded = cpu_kernels.linear_bf16(x.bfloat16(), weight, bias)  # bf16 in and out: one rounding at the end
     assert rounded.dtype == torch.bfloat16
     want = cpu_kernels.linear_reference(x.bfloat16(), weight, bias)
     torch.testing.assert_close(rounded.double(), want.double(), atol=2e-2, rtol=2**-7)
-    for rows in (slice(0, 1), slice(3, 4), slice(0, 3), slice(1, 6), slice(5, 22), slice(0, 36)):
+    for length in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 17, 36, 64, 67):
+        rows = slice(3, 3 + length)
         assert torch.equal(cpu_kernels.linear_bf16(x[rows], weight), full[rows])  # the same bits, any batch
         assert torch.equal(cpu_kernels.linear_bf16(x[rows].bfloat16(), weight, bias), rounded[rows])
-    batched = cpu_kernels.linear_bf16(x.reshape(1, 37, k), weight)  # leading dimensions kept
-    assert batched.shape == (1, 37, n) and torch.equal(batched[0], full)
+    batched = cpu_kernels.linear_bf16(x.reshape(1, 70, k), weight)  # leading dimensions kept
+    assert batched.shape == (1, 70, n) and torch.equal(batched[0], full)
 
 
 @needs_kernels

@@ -231,7 +231,7 @@ def load_library(
         + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         + [ctypes.c_void_p] * 4
         + [ctypes.c_int64] * 3
-        + [ctypes.c_void_p] * 6
+        + [ctypes.c_void_p] * 11
         + [ctypes.c_int64] * 4
         + [ctypes.c_void_p] * 4
     )
@@ -420,7 +420,8 @@ def draft_tree_bf16(
     values: torch.Tensor | None,
     rows: tuple[torch.Tensor | None, ...],
     shape: tuple[int, int, int],
-) -> tuple[torch.Tensor, ...]:
+    catch_up: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[tuple[torch.Tensor, ...], float]:
     """One EAGLE-2 tree per request in one call (``treespec_draft_tree_bf16`` in
     ``draft_tree.c``), drafted by an EAGLE-1 head or a draft model. ``stack``: (embeddings
     [vocab, H], fc weight [H, 2H] or None (a draft model), fc bias or None, the layers' pointer
@@ -431,14 +432,20 @@ def draft_tree_bf16(
     first + s - 1), root token (long), then the root feature [B, H] bf16 (an EAGLE head's, read
     out here) or None, and the root logits [B, V] fp32 (a draft model's), or [B, heads, V]
     (Medusa's: nothing runs, head s scores depth s; the stack, read-out weight, rotary rows and
-    caches may be None), or None; ``shape``:
-    (top_k, depth, num_nodes). Returns tokens, parents, depths [B * n] long and the mask [B * n,
-    W] int32 (n = num_nodes + 1). Raw pointers:
-    :func:`treespec.target.fused.draft_tree` lays out and checks every argument."""
+    caches may be None), or None; ``shape``: (top_k, depth, num_nodes). ``catch_up``: (tokens
+    [C] long, an EAGLE head's target features [C, H] bf16 or None, per request its count >= 1 and
+    the rotary row of its first catch-up row, long): run first as each request's chain past its
+    committed length (K/V written there, for the caller to commit), the roots taken from its last
+    rows (the root feature and logits in ``rows`` are then None) and the levels drafted past it.
+    Returns ((tokens, parents, depths [B * n] long, the mask [B * n, W] int32; n = num_nodes + 1),
+    the catch-up's seconds). Raw pointers: :func:`treespec.target.fused.draft_tree` lays out and
+    checks every argument."""
     embed, fc_weight, fc_bias, table, num_layers, final_norm, dims, eps, sm_scale = stack
     weight, column_ids = readout
     slots, committed, first_row, roots, root_h, root_logits = rows
     heads = root_logits.shape[1] if root_logits is not None and root_logits.dim() == 3 else 0  # Medusa
+    catch_tokens, catch_features, catch_counts, catch_row = (None,) * 4 if catch_up is None else catch_up
+    seconds = ctypes.c_double(0.0)
     top_k, depth, num_nodes = shape
     batch, kept = len(slots), num_nodes + 1
     tokens, parents, depths = (torch.empty(batch * kept, dtype=torch.long) for _ in range(3))
@@ -454,11 +461,12 @@ def draft_tree_bf16(
         pointer(embed), pointer(fc_weight), pointer(fc_bias), table, num_layers, pointer(final_norm), *dims,
         eps, sm_scale, pointer(weight), vocab, pointer(column_ids), pointer(cos), pointer(sin),
         pointer(keys), pointer(values), *cache_sizes, batch, slots.data_ptr(), committed.data_ptr(),
-        first_row.data_ptr(), roots.data_ptr(), pointer(root_h), pointer(root_logits), heads, top_k, depth,
-        num_nodes, tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), mask.data_ptr(),
+        first_row.data_ptr(), roots.data_ptr(), pointer(root_h), pointer(root_logits), pointer(catch_tokens),
+        pointer(catch_features), pointer(catch_counts), pointer(catch_row), ctypes.addressof(seconds), heads,
+        top_k, depth, num_nodes, tokens.data_ptr(), parents.data_ptr(), depths.data_ptr(), mask.data_ptr(),
     )  # fmt: skip
     _raise_on_failure(code, f"a drafted tree of {num_nodes} nodes for {batch} requests")
-    return tokens, parents, depths, mask
+    return (tokens, parents, depths, mask), seconds.value
 
 
 def peak_flops(road: str, iterations: int = 20_000_000) -> float:

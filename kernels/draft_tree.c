@@ -82,6 +82,57 @@ static void rows_top_k(const float *logits, int64_t rows, int64_t V, int64_t k, 
     }
 }
 
+/* The catch-up before a tree: each request's counts[b] rows committed since its last tree (an
+ * EAGLE head's pairs (token, target feature), a draft model's tokens), run as a causal chain past
+ * its committed length, their K/V written at committed + j (the caller commits them after the
+ * call). Request b's row j reads rotary row first_row[b] + j. The last row of each request gives
+ * the root: an EAGLE head's output into root_h [B, H], or a draft model's final normed row read
+ * out in fp32 into root_logits [B, V]. The same calls on the same rows as the fused path's own
+ * catch-up (FusedEagleLayer.forward, FusedDecoder.forward then the fp32 read-out), so the same
+ * bits. Returns 0 or TREESPEC_NO_MEMORY (nothing committed). */
+static int catch_up(const uint16_t *embed, const uint16_t *fc_w, const uint16_t *fc_b, const void *const *layers,
+                    int64_t num_layers, const uint16_t *final_norm, int64_t H, int64_t I, int64_t Hq, int64_t Hkv,
+                    int64_t D, float eps, float sm_scale, const uint16_t *readout, int64_t V, const uint16_t *cos,
+                    const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache, int64_t S, int64_t L, int64_t B,
+                    const int64_t *slots, const int64_t *committed, const int64_t *tokens, const uint16_t *features,
+                    const int64_t *counts, const int64_t *first_row, uint16_t *root_h, float *root_logits) {
+    int64_t C = 0;
+    for (int64_t b = 0; b < B; b++) C += counts[b];
+    uint16_t *x_in = fc_w ? malloc(sizeof(uint16_t) * C * 2 * H) : 0, *h = malloc(sizeof(uint16_t) * C * H);
+    uint16_t *cos_c = malloc(sizeof(uint16_t) * C * D), *sin_c = malloc(sizeof(uint16_t) * C * D);
+    uint16_t *last = malloc(sizeof(uint16_t) * B * H);
+    int64_t *row = malloc(sizeof(int64_t) * 4 * C);
+    uint16_t **no_out = calloc(num_layers, sizeof(uint16_t *));
+    int code = TREESPEC_NO_MEMORY;
+    if ((fc_w && !x_in) || !h || !cos_c || !sin_c || !last || !row || !no_out) goto done;
+    int64_t *row_slot = row, *row_prefix = row + C, *row_index = row + 2 * C, *row_new = row + 3 * C;
+    for (int64_t b = 0, t = 0; b < B; b++)
+        for (int64_t j = 0; j < counts[b]; j++, t++) {
+            if (fc_w) { /* EAGLE: [embedding; the target's feature] */
+                memcpy(x_in + t * 2 * H, embed + tokens[t] * H, sizeof(uint16_t) * H);
+                memcpy(x_in + t * 2 * H + H, features + t * H, sizeof(uint16_t) * H);
+            } else {
+                memcpy(h + t * H, embed + tokens[t] * H, sizeof(uint16_t) * H);
+            }
+            memcpy(cos_c + t * D, cos + (first_row[b] + j) * D, sizeof(uint16_t) * D);
+            memcpy(sin_c + t * D, sin + (first_row[b] + j) * D, sizeof(uint16_t) * D);
+            row_slot[t] = slots[b], row_prefix[t] = committed[b], row_index[t] = j, row_new[t] = counts[b];
+        }
+    if ((fc_w && (code = treespec_linear_bf16(x_in, 1, fc_w, fc_b, h, 1, C, H, 2 * H))) ||
+        (code = treespec_decoder_bf16(h, layers, final_norm, num_layers, C, H, I, Hq, Hkv, D, eps, sm_scale, cos_c,
+                                      sin_c, k_cache, v_cache, S, L, row_slot, row_prefix, row_index, row_new, 0, 0,
+                                      no_out)))
+        goto done;
+    for (int64_t b = 0, end = 0; b < B; b++) {
+        end += counts[b];
+        memcpy((root_h ? root_h : last) + b * H, h + (end - 1) * H, sizeof(uint16_t) * H);
+    }
+    code = root_h ? 0 : treespec_linear_bf16(last, 1, readout, 0, root_logits, 0, B, V, H);
+done:
+    free(x_in), free(h), free(cos_c), free(sin_c), free(last), free(row), free(no_out);
+    return code;
+}
+
 /* treespec_draft_tree_bf16: B requests' trees of num_nodes drafted nodes each, drafted by an
  * EAGLE-1 head (fc_w not NULL) or by a draft model (fc_w NULL).
  *
@@ -100,6 +151,12 @@ static void rows_top_k(const float *logits, int64_t rows, int64_t V, int64_t k, 
  * runs: root_logits is [B, heads, V], the root's children come from head 0 and every depth-s
  * node's from head s (depth <= heads); embed, the stack and the cache are unused.
  *
+ * With catch_tokens (not NULL; EAGLE heads and draft models), the call first runs each
+ * request's catch-up (catch_up above: catch_counts[b] >= 1 rows, an EAGLE head's catch_features
+ * [rows, H] beside the tokens, request b's row j at rotary row catch_row[b] + j), takes its root
+ * feature or logits from it (root_h and root_logits are then ignored) and drafts the levels past
+ * committed[b] + catch_counts[b]; *catch_seconds gets the catch-up's wall time.
+ *
  * Out, per request b at b * (num_nodes + 1): tokens, parents (within the tree, -1 at the root),
  * depths and the ancestor-and-self mask [num_nodes + 1, W] (W = ceil((num_nodes + 1) / 32) words). Needs
  * 1 <= num_nodes <= k + (depth - 1) k^2, k <= V and room for (depth - 1) k rows past every
@@ -111,8 +168,10 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
                              const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache, int64_t S,
                              int64_t L, int64_t B, const int64_t *slots, const int64_t *committed,
                              const int64_t *first_row, const int64_t *roots, const uint16_t *root_h,
-                             const float *root_logits, int64_t heads, int64_t k, int64_t depth, int64_t num_nodes,
-                             int64_t *tokens, int64_t *parents, int64_t *depths, int32_t *mask) {
+                             const float *root_logits, const int64_t *catch_tokens, const uint16_t *catch_features,
+                             const int64_t *catch_counts, const int64_t *catch_row, double *catch_seconds,
+                             int64_t heads, int64_t k, int64_t depth, int64_t num_nodes, int64_t *tokens,
+                             int64_t *parents, int64_t *depths, int32_t *mask) {
     const int64_t T = B * k, levels = depth - 1, run = levels * k; /* rows per level; nodes run per request */
     const int64_t P = 1 + k + levels * k * k, kept = num_nodes + 1; /* drafted nodes per request, root included */
     const int64_t RW = run > 0 ? (run + 31) / 32 : 1, W = (kept + 31) / 32;
@@ -122,7 +181,8 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
                          sizeof(float) * rows_out * V + sizeof(void *) * num_layers +
                          sizeof(int64_t) * (4 * T + rows_out * k + 3 * B * P + 5 * T + P + B * k) +
                          sizeof(float) * (rows_out * k + B * P + T + P + B * k) + sizeof(int32_t) * (T * RW) +
-                         sizeof(uint32_t) * (B * run * RW + kept * W) + 64 * 32; /* each TAKE aligns to 64 bytes */
+                         sizeof(uint32_t) * (B * run * RW + kept * W) + sizeof(uint16_t) * B * H +
+                         sizeof(float) * B * V + sizeof(int64_t) * B + 64 * 35; /* each TAKE aligns to 64 bytes */
     char *block = malloc(bytes), *next = block;
     if (!block) return TREESPEC_NO_MEMORY;
 #define TAKE(type, count) ((type *)(next = (char *)(((uintptr_t)(next) + 63) & ~(uintptr_t)63) + sizeof(type) * (count)) - (count))
@@ -140,12 +200,28 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     int64_t *head_child = TAKE(int64_t, B * k);
     int32_t *level_mask = TAKE(int32_t, T * RW);
     uint32_t *anc = TAKE(uint32_t, B * run * RW), *bits = TAKE(uint32_t, kept * W);
+    uint16_t *caught_h = TAKE(uint16_t, B * H);
+    float *caught_logits = TAKE(float, B * V);
+    int64_t *caught_length = TAKE(int64_t, B);
 #undef TAKE
     memset(no_out, 0, sizeof(void *) * num_layers);
 #define COLUMN(c) (column_ids ? column_ids[c] : (c))
 
-    /* the root's children: the first frontier */
     int code = 0;
+    if (catch_tokens) { /* the catch-up first: the roots come from it, the levels run past it */
+        const double start = omp_get_wtime();
+        if ((code = catch_up(embed, fc_w, fc_b, layers, num_layers, final_norm, H, I, Hq, Hkv, D, eps, sm_scale, readout, V,
+                             cos, sin, k_cache, v_cache, S, L, B, slots, committed, catch_tokens, catch_features,
+                             catch_counts, catch_row, fc_w ? caught_h : 0, caught_logits)))
+            goto done;
+        *catch_seconds = omp_get_wtime() - start;
+        for (int64_t b = 0; b < B; b++) caught_length[b] = committed[b] + catch_counts[b];
+        committed = caught_length;
+        root_h = fc_w ? caught_h : 0;
+        root_logits = fc_w ? 0 : caught_logits;
+    }
+
+    /* the root's children: the first frontier */
     if (root_logits) /* a draft model's [B, V], or Medusa's heads [B, heads, V] (head 0 for the root) */
         for (int64_t b = 0; b < B; b++) memcpy(logits + b * V, root_logits + b * (heads ? heads : 1) * V, sizeof(float) * V);
     else if ((code = treespec_linear_bf16(root_h, 1, readout, 0, logits, 0, B, V, H)))

@@ -190,17 +190,27 @@ def test_a_fused_level_that_would_write_past_the_drafters_cache_is_refused():
         draft._score_levels(requests, levels)
 
 
+def committed_kv(cache) -> list[torch.Tensor]:
+    """Every slot's committed keys and values (what a later step attends to)."""
+    return [
+        t[:, slot, :, :length]
+        for slot, length in enumerate(cache.lengths)
+        for t in (cache.keys, cache.values)
+    ]
+
+
 @needs_kernels
 @pytest.mark.parametrize("readout", [None, range(64)])
 def test_a_native_tree_is_the_tree_the_fused_levels_build(readout, road):  # noqa: F811
-    """One C call per tree (levels, top-k, scores, rerank inside) against the fused layer run
-    level by level with the tree built in PyTorch: the same tokens, parents, depths and masks for
-    every shape, two requests of different lengths, and the head's cache left as it was."""
+    """One C call per tree (the pending pairs' catch-up, levels, top-k, scores, rerank inside)
+    against the fused layer's catch-up and levels one call each with the tree built in PyTorch:
+    the same tokens, parents, depths and masks for every shape, two requests of different
+    lengths, and the same committed K/V in the head's cache."""
     model, head = bf16_pair(seed=3, std=0.2)
     torch.manual_seed(0)
     features = [torch.randn(n, model.config.hidden_size).to(torch.bfloat16) for n in (13, 8)]
     for top_k, depth, nodes in [(3, 4, 9), (2, 3, 5), (4, 5, 20), (3, 1, 3), (8, 6, 31)]:
-        trees, lengths = [], []
+        trees, lengths, caches = [], [], []
         for native in (True, False):
             p = EagleProposer(head, model, top_k=top_k, depth=depth, total_tokens=nodes, readout_ids=readout,
                               native=native)  # fmt: skip
@@ -209,12 +219,31 @@ def test_a_native_tree_is_the_tree_the_fused_levels_build(readout, road):  # noq
             p._pending[0], p._pending[1] = [([22], features[0][12:])], [([47], features[1][7:])]
             trees.append(p.propose(requests_of([list(range(10, 23)), list(range(40, 48))])))
             lengths.append(list(p.cache.lengths))
+            caches.append(committed_kv(p.cache))
         native, levels = trees
+        assert all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
         assert native.host.sizes == (nodes + 1, nodes + 1)
         for name in ("tokens", "parents", "depth", "cu_nodes", "tree_mask"):
             assert torch.equal(getattr(native, name), getattr(levels, name)), (top_k, depth, nodes, name)
         assert lengths[0] == lengths[1]
         native.validate()
+
+
+@needs_kernels
+def test_a_catch_up_that_does_not_fit_its_requests_is_refused():
+    """The one call's catch-up needs a row (at least the root's) per request and a feature per
+    row: anything else is refused before the kernel runs, the cache untouched."""
+    model, head = bf16_pair()
+    p = EagleProposer(head, model, top_k=2, depth=3, total_tokens=5)
+    hidden = model.config.hidden_size
+    p.observe_prefill(0, [1, 2, 3], torch.zeros(3, hidden, dtype=torch.bfloat16))
+    before = list(p.cache.lengths)
+    cases = [([], 0, [0], "count >= 1"), ([5], 1, [2], "count >= 1"), ([5, 6], 1, [2], "one row per token")]
+    for tokens, rows, counts, message in cases:
+        with pytest.raises(ValueError, match=message):
+            p.fused.draft_tree(p.embed.weight, p.lm_head.weight, p._column_ids, p.cache, ([p._slot[0]], [3]), None,
+                               (2, 3, 5), (tokens, torch.zeros(rows, hidden, dtype=torch.bfloat16), counts))  # fmt: skip
+    assert p.cache.lengths == before
 
 
 @needs_kernels
@@ -275,19 +304,28 @@ def test_a_native_tree_on_per_call_rotary_rows_is_the_same_tree():
 @needs_kernels
 @pytest.mark.parametrize("readout", [None, range(64)])
 def test_a_draft_models_native_tree_is_the_tree_its_fused_levels_build(readout, road):  # noqa: F811
-    """A draft model's dynamic tree in one C call against its fused levels one call each with the
-    tree built in PyTorch: the same trees for every shape, two requests, and the same cache."""
+    """A draft model's dynamic tree in one C call (its catch-up on the uncached context inside)
+    against its fused catch-up and levels one call each with the tree built in PyTorch: the same
+    trees for every shape, two requests, a second tree after more tokens, and the same committed
+    K/V."""
     draft = build("llama", seed=6, num_hidden_layers=2).to(torch.bfloat16)
     for dynamic in [(3, 4, 9), (2, 3, 5), (4, 5, 20), (3, 1, 3), (4, 6, 31)]:
-        trees, lengths = [], []
+        trees, lengths, caches = [], [], []
         for native in (True, False):
             p = DraftModelProposer(draft, dynamic=dynamic, readout_ids=readout, native=native)
             assert p.drafting_paths() == {"draft model": "native tree" if native else "fused (native=False)"}
             trees.append(p.propose(requests_of([list(range(10, 23)), list(range(40, 48))])))
+            more = requests_of(
+                [list(range(10, 26)), list(range(40, 49))]
+            )  # 3 and 1 tokens past the first trees
+            trees.append(p.propose(more))
             lengths.append(list(p.cache.lengths))
-        for name in ("tokens", "parents", "depth", "cu_nodes", "tree_mask"):
-            assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), (dynamic, name)
-        assert lengths[0] == lengths[1]
+            caches.append(committed_kv(p.cache))
+        for first, second in ((trees[0], trees[2]), (trees[1], trees[3])):
+            for name in ("tokens", "parents", "depth", "cu_nodes", "tree_mask"):
+                assert torch.equal(getattr(first, name), getattr(second, name)), (dynamic, name)
+        assert lengths[0] == lengths[1] and lengths[0][:2] == [16, 9]
+        assert all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
     with pytest.raises(ValueError, match="native=True: a static tree shape drafts level by level"):
         DraftModelProposer(draft, native=True)
 

@@ -187,11 +187,12 @@ class DraftModelProposer(Proposer):
         depth = max(1, min(depth, min(r.max_new for r in requests) - 1))
         num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
         processed = any(r.sampling.has_processors for r in requests)
+        if self.native and not processed:  # the catch-up in the tree's own call
+            tree, self.catch_up_s = self._native_tree(requests, (top_k, depth, num_nodes))
+            return tree
         start = time.perf_counter()
         root_logits = self._catch_up(requests, widen=processed).float()  # [B, V']
         self.catch_up_s = time.perf_counter() - start
-        if self.native and not processed:
-            return self._native_tree(requests, root_logits, (top_k, depth, num_nodes))
         root_logprobs = torch.log_softmax(root_logits, -1)
         roots = torch.tensor([r.tokens[-1] for r in requests], device=root_logprobs.device)
         levels: list[tuple[torch.Tensor, torch.Tensor]] = []  # per expansion: frontier tokens, parent slots
@@ -219,18 +220,20 @@ class DraftModelProposer(Proposer):
             token_ids=None if processed else self.readout_ids,
         )
 
-    def _native_tree(self, requests, root_logits: torch.Tensor, shape: tuple[int, int, int]) -> TokenTree:
+    def _native_tree(self, requests, shape: tuple[int, int, int]) -> tuple[TokenTree, float]:
         """The tree :meth:`_propose_dynamic` builds level by level, in one C call over the fused
-        decoder (fp32 read-out logits, as :meth:`_read_out` gives them there)."""
+        decoder (fp32 read-out logits, as :meth:`_read_out` gives them there), the catch-up on
+        the uncached context run first in the same call and committed. Returns the tree and the
+        catch-up's seconds."""
         fused = self.draft.fused
         readout = (fused.lm_head, None) if self.readout is None else (self.readout.weight, self.readout_ids)
-        flat = draft_tree(
-            fused.tree_stack(), fused.rotary, readout, self.cache,
-            ([self._slot[r.request_id] for r in requests], [r.tokens[-1] for r in requests]),
-            (None, root_logits), shape,
+        slots, chunks = self._uncached(requests)
+        (flat, seconds) = draft_tree(
+            fused.tree_stack(), fused.rotary, readout, self.cache, (slots, [r.tokens[-1] for r in requests]),
+            (None, None), shape, ([t for c in chunks for t in c], None, [len(c) for c in chunks]),
         )  # fmt: skip
         top_k, depth, _ = shape
-        return TokenTree.equal_sized(flat, len(requests), depth, top_k)
+        return TokenTree.equal_sized(flat, len(requests), depth, top_k), seconds
 
     def _score_levels(self, requests, levels, widen: bool = True) -> torch.Tensor:
         """Draft logits at the newest frontier [B, K, V'] (``widen``: over the whole vocabulary,
@@ -308,17 +311,23 @@ class DraftModelProposer(Proposer):
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def _catch_up(self, requests: list[ProposalRequest], widen: bool = True) -> torch.Tensor:
-        """Feed each request's uncached context (ending with the root); return the root logits."""
-        chunks = []
+    def _uncached(self, requests: list[ProposalRequest]) -> tuple[list[int], list[list[int]]]:
+        """Each request's draft-cache slot (allocated on first use) and the context tokens its
+        cache does not hold yet (the tokens committed since its last tree, ending with the root;
+        the whole prompt at its first)."""
+        slots, chunks = [], []
         for request in requests:
             if request.request_id not in self._slot:
                 self._slot[request.request_id] = self.cache.allocate()
-            cached = self.cache.lengths[self._slot[request.request_id]]
-            chunks.append(request.tokens[cached:])
+            slots.append(self._slot[request.request_id])
+            chunks.append(request.tokens[self.cache.lengths[slots[-1]] :])
+        return slots, chunks
+
+    def _catch_up(self, requests: list[ProposalRequest], widen: bool = True) -> torch.Tensor:
+        """Feed each request's uncached context (ending with the root); return the root logits."""
+        slots, chunks = self._uncached(requests)
         device = self.draft.device
         cu = list(itertools.accumulate((len(c) for c in chunks), initial=0))
-        slots = [self._slot[r.request_id] for r in requests]
         logits = self._forward(
             torch.tensor([t for c in chunks for t in c], device=device), self.cache, cu, slots,
             logit_rows=torch.tensor(cu[1:], device=device) - 1, widen=widen,

@@ -218,12 +218,20 @@ class EagleProposer(Proposer):
         ids = [r.request_id for r in requests]
         if any(not self._pending.get(i) for i in ids):
             raise RuntimeError("propose() before observe(): the head has no pair ending at the root")
-        start = time.perf_counter()
-        root_features = self._catch_up(ids)  # [B, H]: h_{n-1}, the feature after the root
-        self.catch_up_s = time.perf_counter() - start
         # A request never gets a tree deeper than it can still commit; grouping by that depth
         # makes each request's tree independent of the batch it is proposed in.
         depths = [min(self.depth, r.max_new - 1) for r in requests]
+        processed = any(r.sampling.has_processors for r in requests)
+        if self.native and not processed and len(set(depths)) == 1 and depths[0] >= 1:
+            # the catch-up in the tree's own call: the roots' features never leave it
+            _, tokens, features, counts = self._take_pending(ids)
+            tree, self.catch_up_s = self._draft_native(
+                requests, None, depths[0], (tokens, torch.cat(features).to(self.embed.weight.dtype), counts)
+            )
+            return tree
+        start = time.perf_counter()
+        root_features = self._catch_up(ids)  # [B, H]: h_{n-1}, the feature after the root
+        self.catch_up_s = time.perf_counter() - start
         if len(set(depths)) == 1:
             return self._draft(requests, root_features, depths[0])
         groups = [[b for b, d in enumerate(depths) if d == depth] for depth in sorted(set(depths))]
@@ -265,7 +273,7 @@ class EagleProposer(Proposer):
             return TokenTree.roots([r.tokens[-1] for r in requests]).to(root_features.device)
         processed = any(r.sampling.has_processors for r in requests)
         if self.native and not processed:
-            return self._draft_native(requests, root_features, depth)
+            return self._draft_native(requests, root_features, depth)[0]
         root_logprobs = self._log_probs(root_features, widen=processed)  # [B, V']
         if processed:  # the requests' processors steer the drafts too, each node on its own path
             root_logprobs = process_draft(root_logprobs, requests, range(len(requests)), [[]] * len(requests))
@@ -283,17 +291,24 @@ class EagleProposer(Proposer):
         )
 
     def _draft_native(
-        self, requests: list[ProposalRequest], root_features: torch.Tensor, depth: int
-    ) -> TokenTree:
+        self,
+        requests: list[ProposalRequest],
+        root_features: torch.Tensor | None,
+        depth: int,
+        catch_up: tuple[list[int], torch.Tensor, list[int]] | None = None,
+    ) -> tuple[TokenTree, float]:
         """The same tree as :meth:`_draft` in one C call (``FusedEagleLayer.draft_tree``): every
-        level, the top-k, the scores and the rerank inside, the head's weights hot in cache."""
+        level, the top-k, the scores and the rerank inside, the head's weights hot in cache. With
+        ``catch_up`` (the pending pairs' tokens, features and counts; ``root_features`` None) the
+        catch-up runs first in the same call and is committed. Returns the tree and the
+        catch-up's seconds."""
         num_nodes = min(self.total_tokens, dynamic_capacity(self.top_k, depth))
-        flat = self.fused.draft_tree(
+        flat, seconds = self.fused.draft_tree(
             self.embed.weight, self.lm_head.weight, self._column_ids, self.cache,
             ([self._slot[r.request_id] for r in requests], [r.tokens[-1] for r in requests]),
-            root_features, (self.top_k, depth, num_nodes),
+            root_features, (self.top_k, depth, num_nodes), catch_up,
         )  # fmt: skip
-        return TokenTree.equal_sized(flat, len(requests), depth, self.top_k)
+        return TokenTree.equal_sized(flat, len(requests), depth, self.top_k), seconds
 
     def _expand(
         self, level: _Levels, step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor
@@ -376,17 +391,8 @@ class EagleProposer(Proposer):
         """Run every pending pair of these requests as chains and commit them to the head's cache.
 
         Returns the head's output at each request's last pair [B, H]."""
-        for rid in request_ids:
-            if rid not in self._slot:
-                self._slot[rid] = self.cache.allocate()
-        tokens, features, counts = [], [], []
-        for rid in request_ids:
-            pairs = self._pending.pop(rid, [])
-            tokens += [t for chunk, _ in pairs for t in chunk]
-            features += [hidden for _, hidden in pairs]
-            counts.append(sum(len(chunk) for chunk, _ in pairs))
+        slots, tokens, features, counts = self._take_pending(request_ids)
         device = self.head.fc.weight.device
-        slots = [self._slot[rid] for rid in request_ids]
         last = torch.tensor(list(itertools.accumulate(counts)), device=device) - 1
         if self.fused is not None:
             h = self._catch_up_fused(tokens, torch.cat(features), slots, counts)
@@ -408,6 +414,22 @@ class EagleProposer(Proposer):
         )
         self.cache.commit(slots, [list(range(n)) for n in counts])
         return h[last]
+
+    def _take_pending(
+        self, request_ids: list[int]
+    ) -> tuple[list[int], list[int], list[torch.Tensor], list[int]]:
+        """Each request's head-cache slot (allocated on first use) and its pending pairs, taken
+        from the queue: (slots, tokens, their target features as queued, per request the count)."""
+        for rid in request_ids:
+            if rid not in self._slot:
+                self._slot[rid] = self.cache.allocate()
+        tokens, features, counts = [], [], []
+        for rid in request_ids:
+            pairs = self._pending.pop(rid, [])
+            tokens += [t for chunk, _ in pairs for t in chunk]
+            features += [hidden for _, hidden in pairs]
+            counts.append(sum(len(chunk) for chunk, _ in pairs))
+        return [self._slot[rid] for rid in request_ids], tokens, features, counts
 
     def _catch_up_fused(
         self, tokens: list[int], features: torch.Tensor, slots: list[int], counts: list[int]

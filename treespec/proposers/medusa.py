@@ -148,7 +148,7 @@ class MedusaProposer(Proposer):
         num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
         zeros = torch.zeros(len(roots), dtype=torch.long)
         stack = (None, None, None, None, 0, None, (0, 0, 0, 0, 0), 0.0, 0.0)  # nothing runs
-        flat = cpu_kernels.draft_tree_bf16(
+        flat, _ = cpu_kernels.draft_tree_bf16(
             stack, (None, self.readout_ids), None, None, None, None,
             (zeros, zeros, zeros, roots.long(), None, logits.float()), (top_k, depth, num_nodes),
         )  # fmt: skip

@@ -183,32 +183,61 @@ def draft_tree(
     requests: tuple[list[int], list[int]],
     roots: tuple[torch.Tensor | None, torch.Tensor | None],
     shape: tuple[int, int, int],
-) -> tuple[torch.Tensor, ...]:
+    catch_up: tuple[list[int], torch.Tensor | None, list[int]] | None = None,
+) -> tuple[tuple[torch.Tensor, ...], float]:
     """A drafter's EAGLE-2 tree per request in one C call (``kernels/draft_tree.c``): every
     level's pass, log-softmax, top-k, the frontier and the rerank inside. ``stack`` and
     ``readout`` as :func:`treespec.kernels.cpu_kernels.draft_tree_bf16` takes them, ``requests``
     (cache slots, root tokens), ``roots`` (root features [B, H] or None, root logits [B, V] or
     None), ``shape`` (top_k, depth, num_nodes). Level s of request b runs at position committed
-    + s - 1, its K/V written past the committed length (nothing is committed). Returns tokens,
-    parents, depths [B * n] and the mask [B * n, W] (n = num_nodes + 1)."""
+    + s - 1, its K/V written past the committed length (nothing drafted is committed).
+
+    ``catch_up`` (tokens, an EAGLE head's target features [C, H] or None, per request its count
+    >= 1): the rows committed since each request's last tree, run first in the same call as a
+    chain past its committed length and committed to ``cache`` after it; the roots come from
+    their last rows (``roots`` is then (None, None)) and the levels run past them. Returns
+    (tokens, parents, depths [B * n] and the mask [B * n, W]; n = num_nodes + 1) and the
+    catch-up's seconds (0 without one)."""
     slots, root_tokens = requests
     top_k, depth, _ = shape
     levels = max(depth - 1, 1)
-    for slot in slots:
-        cache.check_room(slot, (depth - 1) * top_k)
+    counts = [0] * len(slots) if catch_up is None else list(catch_up[2])
+    if catch_up is not None:
+        tokens, features = catch_up[0], catch_up[1]
+        if len(counts) != len(slots) or min(counts, default=1) < 1 or sum(counts) != len(tokens):
+            raise ValueError(f"a catch-up needs one count >= 1 per request summing to its {len(tokens)} tokens, "
+                             f"got {counts} for {len(slots)} requests")  # fmt: skip
+        if features is not None and features.shape[0] != len(tokens):
+            raise ValueError(
+                f"a catch-up's features need one row per token ({len(tokens)}), got {features.shape[0]}"
+            )
+    for slot, count in zip(slots, counts, strict=True):
+        cache.check_room(slot, count + (depth - 1) * top_k)
     committed = torch.tensor([cache.lengths[s] for s in slots], dtype=torch.long)
-    if rotary.static:  # the whole table: level s of request b reads row committed + s - 1
-        cos, sin = rotary.covering(int(committed.max()) + levels)
-        first_row = committed
-    else:  # this tree's rows only, request b's levels at rows b * levels ..
-        positions = (committed[:, None] + torch.arange(levels)).flatten()
+    ahead = torch.tensor(counts, dtype=torch.long)
+    if rotary.static:  # the whole table: request b's catch-up row j reads row committed + j, level s committed + count + s - 1
+        cos, sin = rotary.covering(int((committed + ahead).max()) + levels)
+        catch_row, first_row = committed, committed + ahead
+    else:  # this call's rows only: per request its catch-up rows, then its levels
+        positions = torch.cat(
+            [torch.arange(c, c + n + levels) for c, n in zip(committed.tolist(), counts, strict=True)]
+        )
         cos, sin = rotary_tables(rotary.rotary, torch.empty(len(positions), 0, dtype=rotary.dtype), positions,
                                  rotary.head_dim)  # fmt: skip
-        first_row = torch.arange(len(slots)) * levels
+        catch_row = torch.cumsum(ahead + levels, 0) - ahead - levels
+        first_row = catch_row + ahead
     root_h, root_logits = (None if t is None else t.contiguous() for t in roots)
     rows = (torch.tensor(slots, dtype=torch.long), committed, first_row, torch.tensor(root_tokens, dtype=torch.long),
             root_h, root_logits)  # fmt: skip
-    return cpu_kernels.draft_tree_bf16(stack, readout, cos, sin, cache.keys, cache.values, rows, shape)
+    caught = None
+    if catch_up is not None:
+        features = None if catch_up[1] is None else catch_up[1].contiguous()
+        caught = (torch.tensor(catch_up[0], dtype=torch.long), features, ahead, catch_row)
+    flat, seconds = cpu_kernels.draft_tree_bf16(stack, readout, cos, sin, cache.keys, cache.values, rows, shape,
+                                                caught)  # fmt: skip
+    if catch_up is not None:
+        cache.commit(slots, [range(n) for n in counts])
+    return flat, seconds
 
 
 def run_stack(
@@ -460,13 +489,16 @@ class FusedEagleLayer:
         column_ids: torch.Tensor | None,
         cache: object,
         requests: tuple[list[int], list[int]],
-        root_h: torch.Tensor,
+        root_h: torch.Tensor | None,
         shape: tuple[int, int, int],
-    ) -> tuple[torch.Tensor, ...]:
+        catch_up: tuple[list[int], torch.Tensor, list[int]] | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], float]:
         """An EAGLE-2 tree per request in one C call (:func:`draft_tree`): every level's pass as
         :meth:`forward` computes it, then the read-out ``readout`` [V, H] in fp32 (columns' tokens
         ``column_ids``, None: column c is token c). ``embed`` the target's input embeddings,
         ``requests`` their (head cache slots, root tokens), ``root_h`` [B, H] the head's outputs at
-        the roots, read out inside."""
+        the roots, read out inside; or None with ``catch_up`` (tokens, target features, counts):
+        the pairs committed since the last tree, run first in the same call (:func:`draft_tree`)."""
         stack = (embed, *self.fc, self._table, 1, None, self.shape, self.eps, self.sm_scale)
-        return draft_tree(stack, self.rotary, (readout, column_ids), cache, requests, (root_h, None), shape)
+        return draft_tree(stack, self.rotary, (readout, column_ids), cache, requests, (root_h, None), shape,
+                          catch_up)  # fmt: skip

@@ -127,25 +127,26 @@ static inline __attribute__((always_inline)) void rows_tile(const float *x, cons
 }
 #undef TILE_CASE
 
-/* Rows m0..m1 of packed x against G <= GROUP consecutive rows of W. The rows go by tiles of six
- * (the most products per widened weight) and the last 1-5 rows as one tile, except that four rows
- * go as two tiles of two (one tile of four by two weight rows measured slower on Zen 3), and a
- * remainder of one after sixes goes as 2 + 5 (a one-row tile widens every weight for one
- * product). A block of exactly four rows takes the group four weight rows at a time, both tiles
- * on each chunk while it is in L1, so the pass that streams the weight from memory does all
- * four rows' products. The tile shape never changes what is computed for an output, only how
- * many are computed together (tests/test_cpu_kernels.py: the same bits at every row count). */
+/* Rows m0..m1 of packed x against G <= GROUP consecutive rows of W. A block of 4-8 rows takes
+ * the group four weight rows at a time, every tile of two rows (and a last one of one) on each
+ * chunk while it is in L1, so the pass that streams the weight from memory does all the rows'
+ * products (measured on Zen 3: faster than one tile of four or five by two weight rows, both
+ * when the weight streams from memory and when it sits in cache). Other blocks go by tiles of
+ * six (the most products per widened weight) and the last 1-5 rows as one tile, a remainder of
+ * one after sixes as 2 + 5 (a one-row tile widens every weight for one product); up to three rows
+ * are one tile. The tile shape never changes what is computed for an output, only how many are
+ * computed together (tests/test_cpu_kernels.py: the same bits at every row count). */
 static void block_rows(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m0, int64_t m1,
                        int64_t N, int64_t K, int G) {
     /* While the first tile streams a chunk, it prefetches the same chunk of the next group (a
      * step of a few rows is bound by reading the weight from memory; more lines in flight read
      * it faster). */
     const char *next = (const char *)(w + G * K);
-    if (m1 - m0 == 4) {
+    if (m1 - m0 >= 4 && m1 - m0 <= 8) {
         for (int c = 0; c < G; c += 4)
             for (int64_t m = m0; m < m1; m += 2)
-                rows_tile(x + m * K, w + c * K, bias ? bias + c : 0, y + m * N + c, N, K, 2, G - c < 4 ? G - c : 4,
-                          m == m0 ? next + 2 * c * K : 0);
+                rows_tile(x + m * K, w + c * K, bias ? bias + c : 0, y + m * N + c, N, K, m + 1 < m1 ? 2 : 1,
+                          G - c < 4 ? G - c : 4, m == m0 ? next + 2 * c * K : 0);
         return;
     }
     for (int64_t m = m0; m < m1;) {

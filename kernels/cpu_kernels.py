@@ -32,8 +32,13 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# the files SOURCE includes: one translation unit, one build; a change to any of them rebuilds
-INCLUDED = (Path(__file__).with_name("draft_tree.c"),)
+# the files SOURCE includes, one per concern: one translation unit, one build; a change to any of
+# them rebuilds
+INCLUDED = tuple(
+    Path(__file__).with_name(name)
+    for name in ("cpu_common.h", "linear_avx2.c", "linear_avx512bf16.c", "linear_amx.c", "linear.c",
+                 "attention.c", "decoder.c", "probe.c", "draft_tree.c")
+)  # fmt: skip
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
 LIBS = ["-lm"]
 
@@ -49,15 +54,45 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-# The instruction-set roads of the linear kernel, slowest first, and the CPU flags each needs. The
+# The instruction-set roads of the linear kernel, slowest first: name -> (the code the library
+# takes, the CPU flags it needs), as the library states them (treespec_road_*, cpu_common.h). The
 # roads differ in their last bits (each is batch-invariant on its own), so a process takes one.
-ISAS = {"avx2": 0, "avx512bf16": 2, "amx": 3}
-_BF16_FLAGS = {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}
-ISA_FLAGS = {
-    "avx2": {"avx2", "fma"},
-    "avx512bf16": _BF16_FLAGS,
-    "amx": _BF16_FLAGS | {"amx_tile", "amx_bf16"},
-}
+_ROADS: dict[str, tuple[int, frozenset[str]]] = {}
+
+
+def _road_table(lib: ctypes.CDLL) -> dict[str, tuple[int, frozenset[str]]]:
+    lib.treespec_road_name.restype = lib.treespec_road_flags.restype = ctypes.c_char_p
+    lib.treespec_road_name.argtypes = lib.treespec_road_code.argtypes = lib.treespec_road_flags.argtypes = [
+        ctypes.c_int
+    ]
+    return {
+        lib.treespec_road_name(i).decode(): (lib.treespec_road_code(i), frozenset(lib.treespec_road_flags(i).split()))
+        for i in range(lib.treespec_road_count())
+    }  # fmt: skip
+
+
+def _roads() -> dict[str, tuple[int, frozenset[str]]]:
+    """The library's road table ({} where the kernels cannot be built or loaded)."""
+    if not _ROADS:
+        _load()
+    return _ROADS
+
+
+def __getattr__(name: str):
+    """``ISAS`` (road -> code) and ``ISA_FLAGS`` (road -> CPU flags), read from the library."""
+    if name == "ISAS":
+        return {road: code for road, (code, _) in _roads().items()}
+    if name == "ISA_FLAGS":
+        return {road: set(flags) for road, (_, flags) in _roads().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def phase_names(lib: ctypes.CDLL) -> list[str]:
+    """The fused decoder's phases in the order its profiling build counts them (decoder.c)."""
+    lib.treespec_phase_name.restype = ctypes.c_char_p
+    lib.treespec_phase_name.argtypes = [ctypes.c_int]
+    return [lib.treespec_phase_name(i).decode() for i in range(lib.treespec_phase_count())]
+
 
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux
 
@@ -68,7 +103,7 @@ def amx_refusal() -> str | None:
     their 8 KB of state only to a process that asks; asking again is harmless)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"AMX needs x86-64 Linux, this is {platform.system()} {platform.machine()}"
-    missing = ISA_FLAGS["amx"] - _cpu_flags()
+    missing = _roads()["amx"][1] - _cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"
     libc = ctypes.CDLL(None, use_errno=True)
@@ -83,7 +118,7 @@ def roads(flags: set[str] | None = None) -> list[str]:
     flags = _cpu_flags() if flags is None else flags
     return [
         name
-        for name, needs in ISA_FLAGS.items()
+        for name, (_, needs) in _roads().items()
         if needs <= flags and (name != "amx" or amx_refusal() is None)
     ]
 
@@ -101,9 +136,10 @@ def _chosen_isa() -> str:
     cap = os.environ.get("TREESPEC_CPU_ISA", "").strip().lower()
     if not cap:
         return best
-    if cap not in ISAS:
-        raise ValueError(f"TREESPEC_CPU_ISA must be one of {', '.join(ISAS)}, got {cap!r}")
-    return cap if ISAS[cap] <= ISAS[best] else best
+    codes = {road: code for road, (code, _) in _roads().items()}
+    if cap not in codes:
+        raise ValueError(f"TREESPEC_CPU_ISA must be one of {', '.join(codes)}, got {cap!r}")
+    return cap if codes[cap] <= codes[best] else best
 
 
 def isa() -> str:
@@ -112,22 +148,23 @@ def isa() -> str:
     if lib is None:
         raise RuntimeError(f"treespec's CPU kernels are unavailable: {unavailable_reason()}")
     code = lib.treespec_get_isa()
-    return next(name for name, value in ISAS.items() if value == code)
+    return next(name for name, (value, _) in _roads().items() if value == code)
 
 
 def set_isa(name: str) -> str:
     """Switch the road and return the previous one. For tests and benchmarks that compare the
     roads: outputs computed before and after a switch are not batch-invariant to each other, so
     nothing that mixes them (an engine's run) may be in flight. Refuses a road this CPU lacks."""
-    if name not in ISAS:
-        raise ValueError(f"the CPU kernels' roads are {', '.join(ISAS)}, got {name!r}")
-    missing = ISA_FLAGS[name] - _cpu_flags()
+    table = _roads()
+    if name not in table:
+        raise ValueError(f"the CPU kernels' roads are {', '.join(table)}, got {name!r}")
+    missing = table[name][1] - _cpu_flags()
     if missing:
         raise ValueError(f"the {name} road needs {', '.join(sorted(missing))}, which this CPU lacks")
     if name == "amx" and (reason := amx_refusal()) is not None:
         raise ValueError(f"the amx road is not available here: {reason}")
     previous = isa()
-    _load()[0].treespec_set_isa(ISAS[name])
+    _load()[0].treespec_set_isa(table[name][0])
     return previous
 
 
@@ -237,7 +274,8 @@ def load_library(
     )
     lib.treespec_draft_tree_bf16.restype = ctypes.c_int
     lib.treespec_set_isa.argtypes = [ctypes.c_int]
-    lib.treespec_set_isa(ISAS[_chosen_isa()])  # _chosen_isa asked Linux for AMX's tiles where it picks amx
+    _ROADS.update(_road_table(lib))  # the same table in every build of the sources
+    lib.treespec_set_isa(_ROADS[_chosen_isa()][0])  # _chosen_isa asked Linux for AMX's tiles where it picks amx
     return lib, ""
 
 
@@ -475,7 +513,7 @@ def peak_flops(road: str, iterations: int = 20_000_000) -> float:
     products (amx), from registers."""
     if road not in roads():
         raise ValueError(f"no {road!r} road on this machine (roads: {', '.join(roads())})")
-    return _load()[0].treespec_peak_flops(ISAS[road], iterations)
+    return _load()[0].treespec_peak_flops(_roads()[road][0], iterations)
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:

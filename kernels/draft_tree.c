@@ -1,7 +1,7 @@
 /* An EAGLE-2 tree drafted whole: one call per tree (EAGLE-1 heads, Llama-style draft models and
- * Medusa heads). Part of the kernel library:
- * cpu_kernels.c includes this file, so it shares that file's linear layer, decoder stack and
- * exponential, and the library stays one build.
+ * Medusa heads). Part of the kernel library: cpu_kernels.c includes this file last, so it
+ * uses the linear layer (linear.c), the decoder stack (decoder.c) and the exponential
+ * (cpu_common.h), and the library stays one build.
  *
  * What Python did per level (embedding rows, fc, the rotary tables, the decoder layer, the
  * read-out, log-softmax, top-k, cumulative scores, the next frontier, the ancestor masks) and

@@ -371,6 +371,21 @@ def test_each_road_measures_its_arithmetic_peak_and_an_absent_road_is_refused(ro
 
 
 @needs_kernels
+def test_the_roads_and_the_phases_are_the_librarys_own():
+    """The roads' names, codes and CPU flags and the fused stack's phase names come from the C
+    library (cpu_common.h, decoder.c): the roads slowest first, each needing its predecessor's
+    flags, the road this process took among them, and one phase name per counter the profiling
+    build fills."""
+    assert list(cpu_kernels.ISAS) == ["avx2", "avx512bf16", "amx"]
+    flags = list(cpu_kernels.ISA_FLAGS.values())
+    assert {"avx2", "fma"} == flags[0] and all(a < b for a, b in zip(flags, flags[1:]))
+    assert len(set(cpu_kernels.ISAS.values())) == 3 and cpu_kernels.isa() in cpu_kernels.ISAS
+    names = cpu_kernels.phase_names(cpu_kernels._load()[0])
+    assert names[:4] == ["norm", "qkv", "rotary+cache", "attention"] and names[-1] == "final norm"
+    assert len(names) <= 16  # the counters treespec_phase_seconds holds
+
+
+@needs_kernels
 def test_a_kernel_that_cannot_allocate_its_buffers_raises_instead_of_aborting(road):
     """Sizes whose work buffers exceed any address space (2^56 bytes): the C entry points return
     before computing anything, and Python raises MemoryError naming what was asked (the process

@@ -33,8 +33,6 @@ from treespec.kernels import cpu_kernels
 from treespec.models import DEFAULT_MODEL
 from treespec.target import Target
 
-PHASES = ("norm", "qkv", "rotary+cache", "attention", "widen", "o_proj", "residual", "norm", "gate/up",
-          "silu*up", "down", "residual", "final norm")  # fmt: skip
 
 
 def bench_linear(rows: list[int], bandwidth: float, peak: float, repeats: int) -> list[dict]:
@@ -50,9 +48,11 @@ def bench_linear(rows: list[int], bandwidth: float, peak: float, repeats: int) -
     return out
 
 
-def _fused_size(target: Target, cache, n: int, phases, timings: dict[str, list[float]], repeats: int) -> dict:
+def _fused_size(
+    target: Target, cache, n: int, phases, names: list[str], timings: dict[str, list[float]], repeats: int
+) -> dict:
     """One fused step of ``n`` new tokens: its time, the decoder's and LM head's calls, and the
-    C stack's phases (the profiling build's counters)."""
+    C stack's phases (the profiling build's counters, ``names`` as the library gives them)."""
     tokens = torch.randint(0, target.vocab_size, (n,))
     step = lambda: target.forward(tokens, cache, [0, n], [0], return_hidden=False)  # noqa: E731
     for _ in range(2):
@@ -61,7 +61,7 @@ def _fused_size(target: Target, cache, n: int, phases, timings: dict[str, list[f
     for i in range(16):
         phases[i] = 0.0
     total = median_seconds(step, repeats, warmup=0)
-    per_phase = {f"{i:02d} {name}": 1e3 * phases[i] / repeats for i, name in enumerate(PHASES)}
+    per_phase = {f"{i:02d} {name}": 1e3 * phases[i] / repeats for i, name in enumerate(names)}
     decoder, head = statistics.median(timings["decoder"]), statistics.median(timings["lm_head"])
     return {"new_tokens": n, "step_ms": 1e3 * total, "decoder_ms": 1e3 * decoder, "lm_head_ms": 1e3 * head,
             "python_ms": 1e3 * (total - decoder - head), "phases_ms": per_phase}  # fmt: skip
@@ -72,6 +72,7 @@ def bench_fused(model_name: str, sizes: list[int], context: int, repeats: int) -
     if lib is None:
         return f"no profiling build: {reason}"
     lib.treespec_set_isa(cpu_kernels.ISAS[cpu_kernels.isa()])
+    names = cpu_kernels.phase_names(lib)
     phases = (ctypes.c_double * 16).in_dll(lib, "treespec_phase_seconds")
     model, _ = models.load(model_name, dtype=torch.bfloat16)
     target = Target(model)
@@ -100,7 +101,7 @@ def bench_fused(model_name: str, sizes: list[int], context: int, repeats: int) -
         cpu_kernels.decoder_bf16 = timed("decoder", original_decoder)
         cpu_kernels.linear_unchecked = timed("lm_head", original_linear)
         for n in sizes:
-            out.append(_fused_size(target, cache, n, phases, timings, repeats))
+            out.append(_fused_size(target, cache, n, phases, names, timings, repeats))
     finally:
         cpu_kernels._load = loaded
         cpu_kernels.decoder_bf16, cpu_kernels.linear_unchecked = original_decoder, original_linear

@@ -66,7 +66,7 @@ def _road_table(lib: ctypes.CDLL) -> dict[str, tuple[int, frozenset[str]]]:
         ctypes.c_int
     ]
     return {
-        lib.treespec_road_name(i).decode(): (lib.treespec_road_code(i), frozenset(lib.treespec_road_flags(i).split()))
+        lib.treespec_road_name(i).decode(): (lib.treespec_road_code(i), frozenset(lib.treespec_road_flags(i).decode().split()))
         for i in range(lib.treespec_road_count())
     }  # fmt: skip
 
@@ -275,7 +275,9 @@ def load_library(
     lib.treespec_draft_tree_bf16.restype = ctypes.c_int
     lib.treespec_set_isa.argtypes = [ctypes.c_int]
     _ROADS.update(_road_table(lib))  # the same table in every build of the sources
-    lib.treespec_set_isa(_ROADS[_chosen_isa()][0])  # _chosen_isa asked Linux for AMX's tiles where it picks amx
+    lib.treespec_set_isa(
+        _ROADS[_chosen_isa()][0]
+    )  # _chosen_isa asked Linux for AMX's tiles where it picks amx
     return lib, ""
 
 

@@ -34,7 +34,6 @@ from treespec.models import DEFAULT_MODEL
 from treespec.target import Target
 
 
-
 def bench_linear(rows: list[int], bandwidth: float, peak: float, repeats: int) -> list[dict]:
     torch.manual_seed(0)
     weight = torch.randn(30 * 1536, 576).bfloat16()

@@ -95,6 +95,154 @@ static const char *const PHASES[] = {"norm",     "qkv",      "rotary+cache", "at
 int treespec_phase_count(void) { return (int)(sizeof PHASES / sizeof PHASES[0]); }
 const char *treespec_phase_name(int i) { return PHASES[i]; }
 
+/* What every phase of a step reads: the sizes, the step's rows, the shared buffers (x and xb the
+ * next linear's input in fp32 and bf16, y the linear outputs, qb the rotated queries, attn the
+ * attention's output) and the attention's work items. */
+typedef struct {
+    int64_t T, H, I, Hq, Hkv, D, QD, KD, S, L, W;
+    float eps, sm_scale;
+    const uint16_t *cos, *sin;
+    const int64_t *row_slot, *row_prefix, *row_index, *row_new;
+    const int32_t *mask;
+    float *x, *y;
+    uint16_t *xb, *qb, *attn;
+    const int64_t *items; /* the AMX attention's (NULL: one item per row and KV head) */
+    int64_t count, cap;
+    int64_t n_qkv[3], n_gu[2], n_h[1], g_qkv[4], g_gu[3], g_h[2], g_down[2]; /* outputs, weight groups */
+} step_state;
+
+/* One thread's part of a phase: its index among `threads`, its rows r0..r1 of the row-wise
+ * phases, its attention scratch and linear scratch. */
+typedef struct {
+    int64_t me, threads, r0, r1;
+    attention_scratch scratch;
+    uint32_t *linear_scratch;
+} step_thread;
+
+/* norm: RMSNorm of this thread's rows of h with weight w into x / xb (out: xb, or h itself for
+ * the final norm). */
+static void phase_norm(const step_state *st, const step_thread *th, uint16_t *h, const uint16_t *w, uint16_t *out) {
+    rmsnorm_rows(h, w, st->eps, th->r0, th->r1, st->H, st->x, out);
+}
+
+/* qkv: q, k, v = x Wq, x Wk, x Wv (+ biases) into y. */
+static void phase_qkv(const step_state *st, const step_thread *th, const void *const *lw) {
+    const uint16_t *w[3] = {lw[W_Q], lw[W_K], lw[W_V]};
+    const float *bias[3] = {lw[W_Q_BIAS], lw[W_K_BIAS], lw[W_V_BIAS]};
+    float *y[3] = {st->y, st->y + st->T * st->QD, st->y + st->T * (st->QD + st->KD)};
+    linear_share(th->me, th->threads, st->x, st->xb, st->T, st->H, 3, w, bias, y, st->n_qkv, st->g_qkv,
+                 th->linear_scratch);
+}
+
+/* rotary+cache: rotary on q (into qb) and k, K/V into the layer's cache, one (row, head) item at a time. */
+static void phase_rotary_cache(const step_state *st, const step_thread *th, uint16_t *kc, uint16_t *vc) {
+    const int64_t T = st->T, Hq = st->Hq, Hkv = st->Hkv, D = st->D, QD = st->QD, KD = st->KD;
+    const float *q = st->y, *k = st->y + T * QD, *v = st->y + T * (QD + KD);
+    for (int64_t item = (T * (Hq + Hkv)) * th->me / th->threads; item < (T * (Hq + Hkv)) * (th->me + 1) / th->threads;
+         item++) {
+        const int64_t t = item / (Hq + Hkv), head = item % (Hq + Hkv);
+        const uint16_t *c = st->cos + t * D, *sn = st->sin + t * D;
+        if (head < Hq) {
+            rotary(q + t * QD + head * D, c, sn, D, st->qb + t * QD + head * D);
+        } else {
+            const int64_t kvh = head - Hq,
+                          at = ((st->row_slot[t] * Hkv + kvh) * st->L + st->row_prefix[t] + st->row_index[t]) * D;
+            rotary(k + t * KD + kvh * D, c, sn, D, kc + at);
+            for (int64_t d = 0; d < D; d++) vc[at + d] = round_bf16(v[t * KD + kvh * D + d]);
+        }
+    }
+}
+
+/* attention: the tree attention of every row over the layer's cache into attn. */
+static void phase_attention(const step_state *st, const step_thread *th, const uint16_t *kc, const uint16_t *vc) {
+    if (st->items) {
+        attend_items(th->me, th->threads, st->count, st->items, st->cap, st->qb, kc, vc, st->attn, st->row_slot,
+                     st->row_prefix, st->row_index, st->row_new, st->mask, st->W, st->Hq, st->Hkv, st->L, st->D,
+                     st->sm_scale, th->scratch);
+        return;
+    }
+    const int64_t items = st->T * st->Hkv;
+    for (int64_t item = items * th->me / th->threads; item < items * (th->me + 1) / th->threads; item++)
+        attend_item(item / st->Hkv, item % st->Hkv, st->qb, kc, vc, st->attn, st->row_slot, st->row_prefix,
+                    st->row_index, st->row_new, st->mask, st->W, st->Hq, st->Hkv, st->L, st->D, st->sm_scale,
+                    th->scratch);
+}
+
+/* widen: the attention's bf16 output into x in fp32 (the AVX2 road's o_proj input). */
+static void phase_widen(const step_state *st, const step_thread *th) {
+    const int64_t n = st->T * st->QD;
+    for (int64_t e = n * th->me / th->threads; e < n * (th->me + 1) / th->threads; e++) st->x[e] = widen_one(st->attn[e]);
+}
+
+/* o_proj: y = attn Wo. */
+static void phase_o_proj(const step_state *st, const step_thread *th, const void *const *lw) {
+    const uint16_t *w[1] = {lw[W_O]};
+    const float *no_bias[1] = {0};
+    float *y[1] = {st->y};
+    linear_share(th->me, th->threads, st->x, st->attn, st->T, st->QD, 1, w, no_bias, y, st->n_h, st->g_h,
+                 th->linear_scratch);
+}
+
+/* residual: h = h + y (rounded to bf16), and a copy of h into out where it is asked for. */
+static void phase_residual(const step_state *st, const step_thread *th, uint16_t *hidden, uint16_t *out) {
+    const int64_t n = st->T * st->H;
+    for (int64_t e = n * th->me / th->threads; e < n * (th->me + 1) / th->threads; e++) {
+        hidden[e] = bf16_add(hidden[e], round_bf16(st->y[e]));
+        if (out) out[e] = hidden[e];
+    }
+}
+
+/* gate/up: y = x Wg, x Wu. */
+static void phase_gate_up(const step_state *st, const step_thread *th, const void *const *lw) {
+    const uint16_t *w[2] = {lw[W_GATE], lw[W_UP]};
+    const float *no_bias[2] = {0, 0};
+    float *y[2] = {st->y, st->y + st->T * st->I};
+    linear_share(th->me, th->threads, st->x, st->xb, st->T, st->H, 2, w, no_bias, y, st->n_gu, st->g_gu,
+                 th->linear_scratch);
+}
+
+/* silu*up: x, xb = SiLU(gate) * up, each value rounded where a bf16 model rounds it. */
+static void phase_silu_up(const step_state *st, const step_thread *th) {
+    const int64_t size = st->T * st->I, runs = (size + 7) / 8;
+    const int64_t e0 = 8 * (runs * th->me / th->threads), e1 = 8 * (runs * (th->me + 1) / th->threads);
+    const float *gate_y = st->y, *up_y = st->y + size;
+    float *x = st->x;
+    uint16_t *xb = st->xb;
+    for (int64_t e = e0; e < e1 && e < size; e += 8) {
+        const int64_t n = size - e < 8 ? size - e : 8;
+        if (n == 8) { /* the scalar sequence below, eight lanes at a time: the same bits */
+            const __m256 gate = widen_rounded8(_mm256_loadu_ps(gate_y + e));
+            const __m256 ex = exp8(_mm256_xor_ps(gate, _mm256_set1_ps(-0.0f)));
+            const __m256 act = widen_rounded8(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), ex)));
+            const __m256i prod = round_bf16x8(_mm256_mul_ps(act, widen_rounded8(_mm256_loadu_ps(up_y + e))));
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(prod, prod), 0x08);
+            _mm_storeu_si128((__m128i *)(xb + e), _mm256_castsi256_si128(packed));
+            _mm256_storeu_ps(x + e, _mm256_castsi256_ps(_mm256_slli_epi32(prod, 16)));
+            continue;
+        }
+        float gate[8], minus[8], ex[8];
+        for (int64_t j = 0; j < n; j++) {
+            gate[j] = widen_one(round_bf16(gate_y[e + j]));
+            minus[j] = -gate[j];
+        }
+        exp_run(minus, ex, n);
+        for (int64_t j = 0; j < n; j++) {
+            const uint16_t act = round_bf16(gate[j] / (1.0f + ex[j]));
+            xb[e + j] = bf16_mul(act, round_bf16(up_y[e + j]));
+            x[e + j] = widen_one(xb[e + j]);
+        }
+    }
+}
+
+/* down: y = x Wd. */
+static void phase_down(const step_state *st, const step_thread *th, const void *const *lw) {
+    const uint16_t *w[1] = {lw[W_DOWN]};
+    const float *no_bias[1] = {0};
+    float *y[1] = {st->y};
+    linear_share(th->me, th->threads, st->x, st->xb, st->T, st->I, 1, w, no_bias, y, st->n_h, st->g_down,
+                 th->linear_scratch);
+}
+
 int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const uint16_t *final_norm,
                            int64_t num_layers, int64_t T, int64_t H, int64_t I, int64_t Hq, int64_t Hkv, int64_t D,
                            float eps, float sm_scale, const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache,
@@ -125,119 +273,65 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
         free(attn);
         return TREESPEC_NO_MEMORY;
     }
-    const int64_t n_qkv[3] = {QD, KD, KD}, n_gu[2] = {I, I}, n_h[1] = {H};
-    int64_t fq_qkv[4], fq_gu[3], fq_h[2], fq_down[2];
-    group_offsets(3, n_qkv, fq_qkv);
-    group_offsets(2, n_gu, fq_gu);
-    group_offsets(1, n_h, fq_h);
-    group_offsets(1, n_h, fq_down);
-    float *y_qkv[3] = {y, y + T * QD, y + T * (QD + KD)}, *y_gu[2] = {y, y + T * I}, *y_h[1] = {y};
-    const int64_t count = items ? amx_items(T, Hq / Hkv, row_slot, row_prefix, row_new, items, items + cap, items + 2 * cap) : 0;
+    step_state st = {.T = T, .H = H, .I = I, .Hq = Hq, .Hkv = Hkv, .D = D, .QD = QD, .KD = KD, .S = S, .L = L,
+                     .W = W, .eps = eps, .sm_scale = sm_scale, .cos = cos, .sin = sin, .row_slot = row_slot,
+                     .row_prefix = row_prefix, .row_index = row_index, .row_new = row_new, .mask = mask, .x = x,
+                     .y = y, .xb = xb, .qb = qb, .attn = attn, .items = items, .cap = cap,
+                     .n_qkv = {QD, KD, KD}, .n_gu = {I, I}, .n_h = {H}};
+    group_offsets(3, st.n_qkv, st.g_qkv);
+    group_offsets(2, st.n_gu, st.g_gu);
+    group_offsets(1, st.n_h, st.g_h);
+    group_offsets(1, st.n_h, st.g_down);
+    st.count = items ? amx_items(T, Hq / Hkv, row_slot, row_prefix, row_new, items, items + cap, items + 2 * cap) : 0;
     MARK_START();
 #pragma omp parallel num_threads(team)
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t r0 = T * me / threads, r1 = T * (me + 1) / threads;
-        const attention_scratch s = pool[me];
-        uint32_t *my_xp = xp ? xp + me * pack : 0;
+        const step_thread th = {me, threads, T * me / threads, T * (me + 1) / threads, pool[me], xp ? xp + me * pack : 0};
         for (int64_t layer = 0; layer < num_layers; layer++) {
             const void *const *lw = weights + layer * W_COUNT;
             uint16_t *kc = k_cache + layer * layer_cache, *vc = v_cache + layer * layer_cache;
-            rmsnorm_rows(hidden, lw[W_IN_NORM], eps, r0, r1, H, x, xb);
+            /* each phase, then a barrier (the next reads what every thread wrote), then its mark */
+            phase_norm(&st, &th, hidden, lw[W_IN_NORM], xb);
 #pragma omp barrier
             MARK(0);
-            const uint16_t *w_qkv[3] = {lw[W_Q], lw[W_K], lw[W_V]};
-            const float *b_qkv[3] = {lw[W_Q_BIAS], lw[W_K_BIAS], lw[W_V_BIAS]};
-            linear_share(me, threads, x, xb, T, H, 3, w_qkv, b_qkv, y_qkv, n_qkv, fq_qkv, my_xp);
+            phase_qkv(&st, &th, lw);
 #pragma omp barrier
             MARK(1);
-            /* rotary on q and k, K/V into the cache: one (row, head) item at a time */
-            for (int64_t item = (T * (Hq + Hkv)) * me / threads; item < (T * (Hq + Hkv)) * (me + 1) / threads; item++) {
-                const int64_t t = item / (Hq + Hkv), head = item % (Hq + Hkv);
-                const uint16_t *c = cos + t * D, *sn = sin + t * D;
-                if (head < Hq) {
-                    rotary(y_qkv[0] + t * QD + head * D, c, sn, D, qb + t * QD + head * D);
-                } else {
-                    const int64_t kvh = head - Hq, at = ((row_slot[t] * Hkv + kvh) * L + row_prefix[t] + row_index[t]) * D;
-                    rotary(y_qkv[1] + t * KD + kvh * D, c, sn, D, kc + at);
-                    const float *v = y_qkv[2] + t * KD + kvh * D;
-                    for (int64_t d = 0; d < D; d++) vc[at + d] = round_bf16(v[d]);
-                }
-            }
+            phase_rotary_cache(&st, &th, kc, vc);
 #pragma omp barrier
             MARK(2);
-            if (items)
-                attend_items(me, threads, count, items, cap, qb, kc, vc, attn, row_slot, row_prefix, row_index, row_new,
-                             mask, W, Hq, Hkv, L, D, sm_scale, s);
-            else
-                for (int64_t item = (T * Hkv) * me / threads; item < (T * Hkv) * (me + 1) / threads; item++)
-                    attend_item(item / Hkv, item % Hkv, qb, kc, vc, attn, row_slot, row_prefix, row_index, row_new,
-                                mask, W, Hq, Hkv, L, D, sm_scale, s);
+            phase_attention(&st, &th, kc, vc);
 #pragma omp barrier
             MARK(3);
             if (g_isa == ISA_AVX2) {
-                for (int64_t e = (T * QD) * me / threads; e < (T * QD) * (me + 1) / threads; e++)
-                    x[e] = widen_one(attn[e]);
+                phase_widen(&st, &th);
 #pragma omp barrier
-            MARK(4);
+                MARK(4);
             }
-            const uint16_t *w_o[1] = {lw[W_O]};
-            const float *no_bias[2] = {0, 0};
-            linear_share(me, threads, x, attn, T, QD, 1, w_o, no_bias, y_h, n_h, fq_h, my_xp);
+            phase_o_proj(&st, &th, lw);
 #pragma omp barrier
             MARK(5);
-            for (int64_t e = T * H * me / threads; e < T * H * (me + 1) / threads; e++)
-                hidden[e] = bf16_add(hidden[e], round_bf16(y[e]));
+            phase_residual(&st, &th, hidden, 0);
 #pragma omp barrier
             MARK(6);
-            rmsnorm_rows(hidden, lw[W_POST_NORM], eps, r0, r1, H, x, xb);
+            phase_norm(&st, &th, hidden, lw[W_POST_NORM], xb);
 #pragma omp barrier
             MARK(7);
-            const uint16_t *w_gu[2] = {lw[W_GATE], lw[W_UP]};
-            linear_share(me, threads, x, xb, T, H, 2, w_gu, no_bias, y_gu, n_gu, fq_gu, my_xp);
+            phase_gate_up(&st, &th, lw);
 #pragma omp barrier
             MARK(8);
-            {
-                const int64_t runs = (T * I + 7) / 8, e0 = 8 * (runs * me / threads), e1 = 8 * (runs * (me + 1) / threads);
-                for (int64_t e = e0; e < e1 && e < T * I; e += 8) {
-                    const int64_t n = T * I - e < 8 ? T * I - e : 8;
-                    if (n == 8) { /* the scalar sequence below, eight lanes at a time: the same bits */
-                        const __m256 gate = widen_rounded8(_mm256_loadu_ps(y_gu[0] + e));
-                        const __m256 ex = exp8(_mm256_xor_ps(gate, _mm256_set1_ps(-0.0f)));
-                        const __m256 act = widen_rounded8(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), ex)));
-                        const __m256i prod = round_bf16x8(_mm256_mul_ps(act, widen_rounded8(_mm256_loadu_ps(y_gu[1] + e))));
-                        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(prod, prod), 0x08);
-                        _mm_storeu_si128((__m128i *)(xb + e), _mm256_castsi256_si128(packed));
-                        _mm256_storeu_ps(x + e, _mm256_castsi256_ps(_mm256_slli_epi32(prod, 16)));
-                        continue;
-                    }
-                    float gate[8], minus[8], ex[8];
-                    for (int64_t j = 0; j < n; j++) {
-                        gate[j] = widen_one(round_bf16(y_gu[0][e + j]));
-                        minus[j] = -gate[j];
-                    }
-                    exp_run(minus, ex, n);
-                    for (int64_t j = 0; j < n; j++) {
-                        const uint16_t act = round_bf16(gate[j] / (1.0f + ex[j]));
-                        xb[e + j] = bf16_mul(act, round_bf16(y_gu[1][e + j]));
-                        x[e + j] = widen_one(xb[e + j]);
-                    }
-                }
-            }
+            phase_silu_up(&st, &th);
 #pragma omp barrier
             MARK(9);
-            const uint16_t *w_d[1] = {lw[W_DOWN]};
-            linear_share(me, threads, x, xb, T, I, 1, w_d, no_bias, y_h, n_h, fq_down, my_xp);
+            phase_down(&st, &th, lw);
 #pragma omp barrier
             MARK(10);
-            for (int64_t e = T * H * me / threads; e < T * H * (me + 1) / threads; e++) {
-                hidden[e] = bf16_add(hidden[e], round_bf16(y[e]));
-                if (layer_out[layer]) layer_out[layer][e] = hidden[e];
-            }
+            phase_residual(&st, &th, hidden, layer_out[layer]);
 #pragma omp barrier
             MARK(11);
         }
-        if (final_norm) rmsnorm_rows(hidden, final_norm, eps, r0, r1, H, x, hidden); /* each row reads only itself */
+        if (final_norm) phase_norm(&st, &th, hidden, final_norm, hidden); /* each row reads only itself */
 #pragma omp barrier
         MARK(12);
     }

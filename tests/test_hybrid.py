@@ -70,6 +70,26 @@ def test_eagle_plus_ngram_keeps_the_output_exact(family):
     assert out.stats.tau > 1.0  # the repetitive prompts give the n-gram branches accepted tokens
 
 
+class CatchingUp(Fixed):
+    """A Fixed proposer whose every propose spends ``seconds`` catching up."""
+
+    def __init__(self, tokens, parents, seconds):
+        super().__init__(tokens, parents)
+        self.seconds = seconds
+
+    def propose(self, requests):
+        self.catch_up_s = self.seconds
+        return super().propose(requests)
+
+
+def test_a_hybrids_catch_up_is_its_members():
+    """The adaptive budget leaves a proposer's catch-up out of the drafting cost it fits: a hybrid
+    reports its members' catch-ups together."""
+    hybrid = HybridProposer(CatchingUp([1, 2], [-1, 0], 0.003), CatchingUp([1, 3], [-1, 0], 0.002))
+    hybrid.propose([ProposalRequest(0, [5, 1], 1, SamplingParams(), 8)])
+    assert hybrid.catch_up_s == pytest.approx(0.005)
+
+
 def test_bad_hybrids():
     model = build("llama")
     with pytest.raises(ValueError, match="at least two"):

@@ -47,6 +47,7 @@ class HybridProposer(Proposer):
 
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
         trees = [p.propose(requests) for p in self.proposers]
+        self.catch_up_s = sum(p.catch_up_s for p in self.proposers)  # what the budget leaves out of drafting
         own = host_structure(trees)  # at most one host sync, for the members that draft on the device
         merged_tokens, merged_parents = [], []
         for b, request in enumerate(requests):

@@ -103,6 +103,8 @@ def amx_refusal() -> str | None:
     their 8 KB of state only to a process that asks; asking again is harmless)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"AMX needs x86-64 Linux, this is {platform.system()} {platform.machine()}"
+    if "amx" not in _roads():
+        return f"treespec's CPU kernels are unavailable: {unavailable_reason()}"
     missing = _roads()["amx"][1] - _cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"
@@ -275,9 +277,8 @@ def load_library(
     lib.treespec_draft_tree_bf16.restype = ctypes.c_int
     lib.treespec_set_isa.argtypes = [ctypes.c_int]
     _ROADS.update(_road_table(lib))  # the same table in every build of the sources
-    lib.treespec_set_isa(
-        _ROADS[_chosen_isa()][0]
-    )  # _chosen_isa asked Linux for AMX's tiles where it picks amx
+    road = _chosen_isa()  # it asked Linux for AMX's tiles where it picks amx
+    lib.treespec_set_isa(_ROADS[road][0])
     return lib, ""
 
 

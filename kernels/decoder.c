@@ -99,7 +99,7 @@ const char *treespec_phase_name(int i) { return PHASES[i]; }
  * next linear's input in fp32 and bf16, y the linear outputs, qb the rotated queries, attn the
  * attention's output) and the attention's work items. */
 typedef struct {
-    int64_t T, H, I, Hq, Hkv, D, QD, KD, S, L, W;
+    int64_t T, H, I, Hq, Hkv, D, QD, KD, L, W;
     float eps, sm_scale;
     const uint16_t *cos, *sin;
     const int64_t *row_slot, *row_prefix, *row_index, *row_new;
@@ -263,17 +263,8 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
     int64_t *items = amx_attention(D) ? malloc(sizeof(int64_t) * 3 * cap) : 0;
     attention_scratch *pool =
         x && xb && y && qb && attn && (xp || !pack) && (items || !amx_attention(D)) ? scratch_pool(L, D, team) : 0;
-    if (!pool) { /* nothing computed, nothing left allocated */
-        free(items);
-        free(xp);
-        free(x);
-        free(xb);
-        free(y);
-        free(qb);
-        free(attn);
-        return TREESPEC_NO_MEMORY;
-    }
-    step_state st = {.T = T, .H = H, .I = I, .Hq = Hq, .Hkv = Hkv, .D = D, .QD = QD, .KD = KD, .S = S, .L = L,
+    if (!pool) goto done; /* nothing computed, nothing left allocated */
+    step_state st = {.T = T, .H = H, .I = I, .Hq = Hq, .Hkv = Hkv, .D = D, .QD = QD, .KD = KD, .L = L,
                      .W = W, .eps = eps, .sm_scale = sm_scale, .cos = cos, .sin = sin, .row_slot = row_slot,
                      .row_prefix = row_prefix, .row_index = row_index, .row_new = row_new, .mask = mask, .x = x,
                      .y = y, .xb = xb, .qb = qb, .attn = attn, .items = items, .cap = cap,
@@ -336,6 +327,7 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
         MARK(12);
     }
     scratch_pool_free(pool, team);
+done:
     free(items);
     free(xp);
     free(x);
@@ -343,5 +335,5 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
     free(y);
     free(qb);
     free(attn);
-    return 0;
+    return pool ? 0 : TREESPEC_NO_MEMORY;
 }

@@ -45,8 +45,9 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
 }
 
 /* The weight rows a tile of R x rows takes at once: as many as 16 registers hold beside R * C
- * accumulators, the x row and the mask (1: 6, 2: 4, 3: 3, 4-6: 2). A GROUP of weight rows is a
- * multiple of each, so every tile of a group sweeps it in whole steps. */
+ * accumulators, the x row and the mask (1: 6, 2: 4, 3: 3, 5-6: 2; block_rows makes no tile of
+ * four). A GROUP of weight rows is a multiple of each, so every tile of a group sweeps it in
+ * whole steps. */
 #define GROUP 12
 static inline int tile_columns(int R) { return R == 1 ? 6 : R == 2 ? 4 : R == 3 ? 3 : 2; }
 
@@ -60,7 +61,6 @@ static inline __attribute__((always_inline)) void rows_tile(const float *x, cons
         case 1: switch (C) { TILE_CASE(1, 6); TILE_CASE(1, 5); TILE_CASE(1, 4); TILE_CASE(1, 3); TILE_CASE(1, 2); default: tile(x, w, bias, y, N, K, 1, 1, prefetch); } break;
         case 2: switch (C) { TILE_CASE(2, 4); TILE_CASE(2, 3); TILE_CASE(2, 2); default: tile(x, w, bias, y, N, K, 2, 1, prefetch); } break;
         case 3: switch (C) { TILE_CASE(3, 3); TILE_CASE(3, 2); default: tile(x, w, bias, y, N, K, 3, 1, prefetch); } break;
-        case 4: if (C == 2) tile(x, w, bias, y, N, K, 4, 2, prefetch); else tile(x, w, bias, y, N, K, 4, 1, prefetch); break;
         case 5: if (C == 2) tile(x, w, bias, y, N, K, 5, 2, prefetch); else tile(x, w, bias, y, N, K, 5, 1, prefetch); break;
         default: if (C == 2) tile(x, w, bias, y, N, K, 6, 2, prefetch); else tile(x, w, bias, y, N, K, 6, 1, prefetch); break;
     }

@@ -228,7 +228,7 @@ class DraftModelProposer(Proposer):
         fused = self.draft.fused
         readout = (fused.lm_head, None) if self.readout is None else (self.readout.weight, self.readout_ids)
         slots, chunks = self._uncached(requests)
-        (flat, seconds) = draft_tree(
+        flat, seconds = draft_tree(
             fused.tree_stack(), fused.rotary, readout, self.cache, (slots, [r.tokens[-1] for r in requests]),
             (None, None), shape, ([t for c in chunks for t in c], None, [len(c) for c in chunks]),
         )  # fmt: skip

@@ -17,19 +17,12 @@ static inline int key_visible(const int32_t *mask_row, int64_t j, int64_t row_in
     return (int)(((uint32_t)mask_row[j >> 5] >> (j & 31)) & 1u);
 }
 
-static inline float dot1(const float *q, const uint16_t *k, int64_t D) {
-    const int64_t D8 = D & ~(int64_t)7;
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D8; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), widen_bf16(k + d), a);
-    return add_tail(q, k, D8, D, lanes_sum(a));
-}
-
-/* Per-thread scratch of the attention: for up to HEADS_TOGETHER query heads, scores for up to
- * L + 4 keys, one query and one accumulator row each; the visible keys' positions. */
-enum { HEADS_TOGETHER = 4, AMX_COLUMNS = 16 }; /* AMX_COLUMNS: (row, head) queries per tile product */
+/* Per-thread scratch of the attention: scores for up to COLUMNS (row, query head) columns against
+ * up to L + 4 keys, the columns' queries in fp32; on the AMX road its tile operands. */
+enum { COLUMNS = 16 }; /* (row, query head) columns that share each key and value load */
 typedef struct {
-    float *scores, *qf, *acc;
-    int64_t *keys;
+    float *scores;       /* AVX2: [key][COLUMNS] S; AMX: per column its visible scores, L + 4 apart */
+    float *qf;           /* AVX2: the columns' queries widened to fp32, [COLUMNS][D] */
     float *tile_scores;  /* AMX road: [L + 16 keys][16 columns] fp32, the tile products' S^T */
     uint32_t *q_pairs;   /* AMX road: 16 queries in AMX's pair layout, per block of 32 dims */
     uint16_t *key_tail;  /* AMX road: the last keys of a cache row, zero-padded to 16 */
@@ -39,8 +32,6 @@ static void scratch_pool_free(attention_scratch *pool, int count) {
     for (int i = 0; i < count; i++) {
         free(pool[i].scores);
         free(pool[i].qf);
-        free(pool[i].acc);
-        free(pool[i].keys);
         free(pool[i].tile_scores);
         free(pool[i].q_pairs);
         free(pool[i].key_tail);
@@ -55,14 +46,11 @@ static attention_scratch *scratch_pool(int64_t L, int64_t D, int count) {
     if (!pool) return 0;
     const int amx = g_isa == ISA_AMX;
     for (int i = 0; i < count; i++) {
-        pool[i] = (attention_scratch){malloc(sizeof(float) * AMX_COLUMNS * (L + 4)),
-                                      malloc(sizeof(float) * HEADS_TOGETHER * D),
-                                      malloc(sizeof(float) * HEADS_TOGETHER * D), malloc(sizeof(int64_t) * (L + 4)),
+        pool[i] = (attention_scratch){malloc(sizeof(float) * COLUMNS * (L + 4)), malloc(sizeof(float) * COLUMNS * D),
                                       amx ? malloc(sizeof(float) * 16 * (L + 16)) : 0,
                                       amx ? malloc(sizeof(uint32_t) * 256 * ((D + 31) / 32)) : 0,
                                       amx ? malloc(sizeof(uint16_t) * 16 * D) : 0};
-        if (!pool[i].scores || !pool[i].qf || !pool[i].acc || !pool[i].keys ||
-            (amx && (!pool[i].tile_scores || !pool[i].q_pairs || !pool[i].key_tail))) {
+        if (!pool[i].scores || !pool[i].qf || (amx && (!pool[i].tile_scores || !pool[i].q_pairs || !pool[i].key_tail))) {
             scratch_pool_free(pool, count);
             return 0;
         }
@@ -70,127 +58,164 @@ static attention_scratch *scratch_pool(int64_t L, int64_t D, int count) {
     return pool;
 }
 
-/* The scores of G query heads (qf [G, D] fp32) against keys k0 and k1, into scores[h * stride +
- * i] and [.. + i + 1]: each key is widened once for all G heads, and each score is dot1's fixed
- * sequence (eight lanes in increasing d, the lanes in one order, the tail last). */
-static inline __attribute__((always_inline)) void head_dots2(const float *qf, const int G, const uint16_t *k0,
-                                                             const uint16_t *k1, int64_t D, float *scores,
-                                                             int64_t stride, int64_t i) {
+/* lanes_sum of eight accumulators at once, each in lanes_sum's own order ((0+4, 1+5, 2+6, 3+7),
+ * then (0+2, 1+3), then the last pair): the same additions of the same values, so the same bits,
+ * for about a third of the instructions. Returns [a0 a2 a4 a6 | a1 a3 a5 a7]. */
+static inline __m256 lanes_sum8(const __m256 a[8]) {
+    __m256 b[4]; /* b[i]: a[2i]'s four halves' sums, then a[2i+1]'s */
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    __m256 c[2]; /* c[i]: (s0+s2, s1+s3) of a[4i], a[4i+2] | of a[4i+1], a[4i+3] */
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The scores of four fp32 queries (q, D apart) against keys k0 and k1 into s0[0..3] and s1[0..3]:
+ * each key widened once for the four, each score one fixed sequence (eight lanes in increasing d,
+ * lanes_sum's order, the D % 8 tail last). */
+static inline void dots_2x4(const float *q, int64_t D, const uint16_t *k0, const uint16_t *k1, float *s0, float *s1) {
     const int64_t D8 = D & ~(int64_t)7;
-    __m256 a0[HEADS_TOGETHER], a1[HEADS_TOGETHER];
-    for (int h = 0; h < G; h++) a0[h] = a1[h] = _mm256_setzero_ps();
+    __m256 a[8]; /* a[2j]: query j against k0, a[2j + 1]: against k1 */
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D8; d += 8) {
-        const __m256 kv0 = widen_bf16(k0 + d), kv1 = widen_bf16(k1 + d);
-        for (int h = 0; h < G; h++) {
-            const __m256 qv = _mm256_loadu_ps(qf + h * D + d);
-            a0[h] = _mm256_fmadd_ps(qv, kv0, a0[h]);
-            a1[h] = _mm256_fmadd_ps(qv, kv1, a1[h]);
+        const __m256 x0 = widen_bf16(k0 + d), x1 = widen_bf16(k1 + d);
+        for (int j = 0; j < 4; j++) {
+            const __m256 qv = _mm256_loadu_ps(q + j * D + d);
+            a[2 * j] = _mm256_fmadd_ps(qv, x0, a[2 * j]);
+            a[2 * j + 1] = _mm256_fmadd_ps(qv, x1, a[2 * j + 1]);
         }
     }
-    for (int h = 0; h < G; h++) {
-        scores[h * stride + i] = add_tail(qf + h * D, k0, D8, D, lanes_sum(a0[h]));
-        scores[h * stride + i + 1] = add_tail(qf + h * D, k1, D8, D, lanes_sum(a1[h]));
+    const __m256 sums = lanes_sum8(a);
+    _mm_storeu_ps(s0, _mm256_castps256_ps128(sums));
+    _mm_storeu_ps(s1, _mm256_extractf128_ps(sums, 1));
+    for (int j = 0; j < 4 && D8 < D; j++) {
+        s0[j] = add_tail(q + j * D, k0, D8, D, s0[j]);
+        s1[j] = add_tail(q + j * D, k1, D8, D, s1[j]);
     }
 }
 
-/* acc[h, d] = sum_i e[h, i] v_i[d] for G heads, one FMA per key in key order for every (h, d):
- * each value row is widened once for all G heads; 16 columns at a time keep 2 G accumulators in
- * registers across all keys. */
-static inline __attribute__((always_inline)) void head_values(const float *e, int64_t stride, const int G,
-                                                              const uint16_t *vbase, const int64_t *keys, int64_t n,
-                                                              int64_t D, float *acc) {
-    const int64_t D8 = D & ~(int64_t)7;
-    int64_t d = 0;
-    for (; d + 16 <= D8; d += 16) {
-        __m256 a0[HEADS_TOGETHER], a1[HEADS_TOGETHER];
-        for (int h = 0; h < G; h++) a0[h] = a1[h] = _mm256_setzero_ps();
+enum { PV_TILE = 5 }; /* columns per value tile: 2 PV_TILE accumulators, two value vectors, a weight */
+
+/* The values of g columns (g a constant, the accumulators in registers) over dims d0 .. d0 + 15:
+ * per column one FMA per visible key in key order (the committed keys, which every column sees,
+ * then its visible new ones), each value row widened once for the g columns; e: the weights,
+ * [key][COLUMNS] from column j0. Writes acc[j][0..15]. */
+static inline __attribute__((always_inline)) void values_16(const int g, const float *e, const uint16_t *vbase,
+                                                            int64_t d0, int64_t D, int64_t prefix, int64_t fresh,
+                                                            const int32_t *const *mask_row, const int64_t *index,
+                                                            float (*acc)[16]) {
+    __m256 a[PV_TILE][2];
+    for (int j = 0; j < g; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < prefix; p++) {
+        const uint16_t *v = vbase + p * D + d0;
+        const __m256 v0 = widen_bf16(v), v1 = widen_bf16(v + 8);
+        for (int j = 0; j < g; j++) {
+            const __m256 w = _mm256_broadcast_ss(e + p * COLUMNS + j);
+            a[j][0] = _mm256_fmadd_ps(w, v0, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(w, v1, a[j][1]);
+        }
+    }
+    for (int64_t k = 0; k < fresh; k++) {
+        const uint16_t *v = vbase + (prefix + k) * D + d0;
+        const __m256 v0 = widen_bf16(v), v1 = widen_bf16(v + 8);
+        for (int j = 0; j < g; j++) {
+            if (!key_visible(mask_row[j], k, index[j])) continue;
+            const __m256 w = _mm256_broadcast_ss(e + (prefix + k) * COLUMNS + j);
+            a[j][0] = _mm256_fmadd_ps(w, v0, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(w, v1, a[j][1]);
+        }
+    }
+    for (int j = 0; j < g; j++) {
+        _mm256_storeu_ps(acc[j], a[j][0]);
+        _mm256_storeu_ps(acc[j] + 8, a[j][1]);
+    }
+}
+
+/* Attention on the AVX2 (and AVX512-BF16) road for nc <= COLUMNS (row, query head) columns that
+ * share a cache row and KV head, as amx_attend_columns takes them (column c: row t0 + c / G, head
+ * kvh * G + c % G). The scores of every column against every key come four columns and two keys
+ * at a time, so each key is loaded and widened once per four columns; the softmax and the values
+ * run across the columns. Each column's output is the sequence of its one-token step: its scores
+ * as fixed-order dot products, scaled; the maximum over its visible keys; exp(score - max) with
+ * their sum in key order (committed keys, then its visible new ones); one FMA per visible key in
+ * key order for the values; one division. No other column's presence changes a bit of it. */
+static void avx2_attend_columns(int64_t t0, int64_t c0, int64_t nc, int64_t kvh, const uint16_t *q,
+                                const uint16_t *kbase, const uint16_t *vbase, uint16_t *out, int64_t prefix,
+                                int64_t fresh, const int64_t *row_index, const int32_t *mask, int64_t W, int64_t Hq,
+                                int64_t G, int64_t D, float sm_scale, attention_scratch s) {
+    const int64_t n = prefix + fresh, padded = (nc + 3) & ~(int64_t)3;
+    const int32_t *mask_row[COLUMNS];
+    int64_t index[COLUMNS], head_at[COLUMNS];
+    for (int64_t j = 0; j < COLUMNS; j++) { /* columns past nc repeat the last one: computed, never used */
+        const int64_t c = c0 + (j < nc ? j : nc - 1), t = t0 + c / G;
+        mask_row[j] = mask ? mask + t * W : 0;
+        index[j] = row_index[t];
+        head_at[j] = (t * Hq + kvh * G + c % G) * D;
+    }
+    float *qf = s.qf, *e = s.scores;
+    for (int64_t j = 0; j < padded; j++)
+        for (int64_t d = 0; d < D; d++) qf[j * D + d] = widen_one(q[head_at[j] + d]);
+    for (int64_t i = 0; i < n; i += 2) { /* an odd last key is paired with itself */
+        const uint16_t *k0 = kbase + i * D, *k1 = kbase + (i + 1 < n ? i + 1 : i) * D;
+        for (int64_t j = 0; j < padded; j += 4)
+            dots_2x4(qf + j * D, D, k0, k1, e + i * COLUMNS + j, e + (i + 1) * COLUMNS + j);
+    }
+    float total[COLUMNS];
+    const __m256 scale = _mm256_set1_ps(sm_scale);
+    for (int64_t j0 = 0; j0 < nc; j0 += 8) { /* eight columns at a time, each in its lane */
+        __m256 best = _mm256_set1_ps(-INFINITY);
         for (int64_t i = 0; i < n; i++) {
-            const uint16_t *v = vbase + keys[i] * D + d;
-            const __m256 v0 = widen_bf16(v), v1 = widen_bf16(v + 8);
-            for (int h = 0; h < G; h++) {
-                const __m256 ev = _mm256_set1_ps(e[h * stride + i]);
-                a0[h] = _mm256_fmadd_ps(ev, v0, a0[h]);
-                a1[h] = _mm256_fmadd_ps(ev, v1, a1[h]);
+            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(e + i * COLUMNS + j0), scale);
+            _mm256_storeu_ps(e + i * COLUMNS + j0, v);
+            if (i < prefix) best = _mm256_max_ps(v, best); /* v > best ? v : best, as a scalar max */
+        }
+        float top[8];
+        _mm256_storeu_ps(top, best);
+        for (int64_t j = 0; j < 8 && j0 + j < nc; j++)
+            for (int64_t k = 0; k < fresh; k++)
+                if (key_visible(mask_row[j0 + j], k, index[j0 + j]) && e[(prefix + k) * COLUMNS + j0 + j] > top[j])
+                    top[j] = e[(prefix + k) * COLUMNS + j0 + j];
+        best = _mm256_loadu_ps(top);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+            const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(e + i * COLUMNS + j0), best));
+            _mm256_storeu_ps(e + i * COLUMNS + j0, w);
+            if (i < prefix) sum = _mm256_add_ps(sum, w);
+        }
+        _mm256_storeu_ps(total + j0, sum);
+        for (int64_t j = 0; j < 8 && j0 + j < nc; j++)
+            for (int64_t k = 0; k < fresh; k++)
+                if (key_visible(mask_row[j0 + j], k, index[j0 + j])) total[j0 + j] += e[(prefix + k) * COLUMNS + j0 + j];
+    }
+    const int64_t D16 = D & ~(int64_t)15;
+    for (int64_t j0 = 0; j0 < nc; j0 += PV_TILE) {
+        const int g = nc - j0 < PV_TILE ? (int)(nc - j0) : PV_TILE;
+        for (int64_t d0 = 0; d0 < D16; d0 += 16) {
+            float acc[PV_TILE][16];
+            switch (g) {
+                case 5: values_16(5, e + j0, vbase, d0, D, prefix, fresh, mask_row + j0, index + j0, acc); break;
+                case 4: values_16(4, e + j0, vbase, d0, D, prefix, fresh, mask_row + j0, index + j0, acc); break;
+                case 3: values_16(3, e + j0, vbase, d0, D, prefix, fresh, mask_row + j0, index + j0, acc); break;
+                case 2: values_16(2, e + j0, vbase, d0, D, prefix, fresh, mask_row + j0, index + j0, acc); break;
+                default: values_16(1, e + j0, vbase, d0, D, prefix, fresh, mask_row + j0, index + j0, acc); break;
             }
+            for (int j = 0; j < g; j++)
+                for (int x = 0; x < 16; x++) out[head_at[j0 + j] + d0 + x] = round_bf16(acc[j][x] / total[j0 + j]);
         }
-        for (int h = 0; h < G; h++) {
-            _mm256_storeu_ps(acc + h * D + d, a0[h]);
-            _mm256_storeu_ps(acc + h * D + d + 8, a1[h]);
-        }
-    }
-    for (; d < D8; d += 8) {
-        __m256 a0[HEADS_TOGETHER];
-        for (int h = 0; h < G; h++) a0[h] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < n; i++) {
-            const __m256 v0 = widen_bf16(vbase + keys[i] * D + d);
-            for (int h = 0; h < G; h++) a0[h] = _mm256_fmadd_ps(_mm256_set1_ps(e[h * stride + i]), v0, a0[h]);
-        }
-        for (int h = 0; h < G; h++) _mm256_storeu_ps(acc + h * D + d, a0[h]);
-    }
-    for (int h = 0; h < G; h++)
-        for (int64_t j = D8; j < D; j++) acc[h * D + j] = 0.0f;
-    for (int64_t i = 0; i < n && D8 < D; i++) {
-        const uint16_t *v = vbase + keys[i] * D;
-        for (int h = 0; h < G; h++)
-            for (int64_t j = D8; j < D; j++) acc[h * D + j] = __builtin_fmaf(e[h * stride + i], widen_one(v[j]), acc[h * D + j]);
-    }
-}
-
-/* G query heads h0 .. h0 + G - 1 of row t over the n visible keys: scores, softmax, values. */
-static inline __attribute__((always_inline)) void attend_heads(int64_t t, int64_t h0, const int G, const uint16_t *q,
-                                                               const uint16_t *kbase, const uint16_t *vbase,
-                                                               uint16_t *out, const int64_t *keys, int64_t n,
-                                                               int64_t Hq, int64_t L, int64_t D, float sm_scale,
-                                                               attention_scratch s) {
-    const int64_t stride = L + 4;
-    float *scores = s.scores, *qf = s.qf, *acc = s.acc;
-    for (int h = 0; h < G; h++)
-        for (int64_t d = 0; d < D; d++) qf[h * D + d] = widen_one(q[(t * Hq + h0 + h) * D + d]);
-    int64_t i = 0;
-    for (; i + 2 <= n; i += 2) head_dots2(qf, G, kbase + keys[i] * D, kbase + keys[i + 1] * D, D, scores, stride, i);
-    for (; i < n; i++)
-        for (int h = 0; h < G; h++) scores[h * stride + i] = dot1(qf + h * D, kbase + keys[i] * D, D);
-    float total[HEADS_TOGETHER];
-    for (int h = 0; h < G; h++) {
-        float *row = scores + h * stride, best = -INFINITY;
-        for (i = 0; i < n; i++) {
-            row[i] *= sm_scale;
-            if (row[i] > best) best = row[i];
-        }
-        for (i = 0; i < n; i++) row[i] -= best;
-        for (i = 0; i < n; i += 8) exp_run(row + i, row + i, n - i < 8 ? n - i : 8);
-        total[h] = 0.0f;
-        for (i = 0; i < n; i++) total[h] += row[i];
-    }
-    head_values(scores, stride, G, vbase, keys, n, D, acc);
-    for (int h = 0; h < G; h++)
-        for (int64_t d = 0; d < D; d++) out[(t * Hq + h0 + h) * D + d] = round_bf16(acc[h * D + d] / total[h]);
-}
-
-/* Row t's attention for KV head kvh and its group of query heads (q and out [T, Hq, D]; the
- * caches one layer's [S, Hkv, L, D]), HEADS_TOGETHER query heads at a time so that every key
- * and value row is loaded and widened once for them all. Each (row, head) output is the same
- * sequence of operations however many heads share the loads. */
-static void attend_item(int64_t t, int64_t kvh, const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                        uint16_t *out, const int64_t *row_slot, const int64_t *row_prefix, const int64_t *row_index,
-                        const int64_t *row_new, const int32_t *mask, int64_t W, int64_t Hq, int64_t Hkv, int64_t L,
-                        int64_t D, float sm_scale, attention_scratch s) {
-    const int64_t group = Hq / Hkv;
-    const uint16_t *kbase = k_cache + (row_slot[t] * Hkv + kvh) * L * D;
-    const uint16_t *vbase = v_cache + (row_slot[t] * Hkv + kvh) * L * D;
-    const int32_t *mask_row = mask ? mask + t * W : 0;
-    int64_t *keys = s.keys, n = 0;
-    for (int64_t p = 0; p < row_prefix[t]; p++) keys[n++] = p;
-    for (int64_t j = 0; j < row_new[t]; j++)
-        if (key_visible(mask_row, j, row_index[t])) keys[n++] = row_prefix[t] + j;
-    for (int64_t h0 = kvh * group; h0 < (kvh + 1) * group; h0 += HEADS_TOGETHER) {
-        const int64_t left = (kvh + 1) * group - h0;
-        switch (left < HEADS_TOGETHER ? left : HEADS_TOGETHER) {
-            case 4: attend_heads(t, h0, 4, q, kbase, vbase, out, keys, n, Hq, L, D, sm_scale, s); break;
-            case 3: attend_heads(t, h0, 3, q, kbase, vbase, out, keys, n, Hq, L, D, sm_scale, s); break;
-            case 2: attend_heads(t, h0, 2, q, kbase, vbase, out, keys, n, Hq, L, D, sm_scale, s); break;
-            default: attend_heads(t, h0, 1, q, kbase, vbase, out, keys, n, Hq, L, D, sm_scale, s); break;
-        }
+        for (int j = 0; j < g; j++) /* the D % 16 last dims: the same FMA per visible key, one lane at a time */
+            for (int64_t d = D16; d < D; d++) {
+                const int64_t c = j0 + j;
+                float a = 0.0f;
+                for (int64_t p = 0; p < prefix; p++) a = __builtin_fmaf(e[p * COLUMNS + c], widen_one(vbase[p * D + d]), a);
+                for (int64_t k = 0; k < fresh; k++)
+                    if (key_visible(mask_row[c], k, index[c]))
+                        a = __builtin_fmaf(e[(prefix + k) * COLUMNS + c], widen_one(vbase[(prefix + k) * D + d]), a);
+                out[head_at[c] + d] = round_bf16(a / total[c]);
+            }
     }
 }
 
@@ -280,7 +305,7 @@ AMX_TARGET static inline __attribute__((always_inline)) void amx_values(
     }
 }
 
-/* Attention on the AMX road, for up to AMX_COLUMNS (row, query head) columns that share a cache
+/* Attention on the AMX road, for up to COLUMNS (row, query head) columns that share a cache
  * row and KV head: the rows t0 .. of one request (same slot, committed length and new tokens),
  * their query heads of group kvh, columns c0 .. c0 + nc - 1 (column c is row t0 + c / G, head
  * kvh * G + c % G). The scores of every column against every key come from tile products: the
@@ -328,7 +353,7 @@ AMX_TARGET static void amx_attend_columns(int64_t t0, int64_t c0, int64_t nc, in
         _tile_stored(0, st + k0 * 16, 64);
     }
     _tile_release();
-    float total[AMX_COLUMNS];
+    float total[COLUMNS];
     for (int64_t j = 0; j < nc; j++) { /* column j's visible scores, in key order, then its softmax */
         const int64_t t = t0 + (c0 + j) / G;
         const int32_t *mask_row = mask ? mask + t * W : 0;
@@ -356,39 +381,46 @@ AMX_TARGET static void amx_attend_columns(int64_t t0, int64_t c0, int64_t nc, in
  * head dimension in whole 64-dim steps. */
 static int amx_attention(int64_t D) { return g_isa == ISA_AMX && D % 64 == 0; }
 
-/* The AMX attention's work items for T rows: per run of rows of one request (same cache row,
- * committed length and count of new tokens), its columns (row, query head of one KV head) in
- * chunks of AMX_COLUMNS. item_row[i] is the run's first row, item_col[i] its first column in the
- * run, item_cols[i] how many; the items are the same for every KV head. Returns the count. */
-static int64_t amx_items(int64_t T, int64_t G, const int64_t *row_slot, const int64_t *row_prefix,
-                         const int64_t *row_new, int64_t *item_row, int64_t *item_col, int64_t *item_cols) {
+/* The attention's work items for T rows: per run of rows of one request (same cache row, committed
+ * length and count of new tokens), its columns (row, query head of one KV head) in chunks of
+ * COLUMNS. item_row[i] is the run's first row, item_col[i] its first column in the run,
+ * item_cols[i] how many; the items are the same for every KV head. Returns the count; `cap`
+ * (column_cap) bounds it. */
+static int64_t column_cap(int64_t T, int64_t G) { return T * G / COLUMNS + T + 1; }
+static int64_t column_items(int64_t T, int64_t G, const int64_t *row_slot, const int64_t *row_prefix,
+                            const int64_t *row_new, int64_t *item_row, int64_t *item_col, int64_t *item_cols) {
     int64_t items = 0;
     for (int64_t t0 = 0; t0 < T;) {
         int64_t t1 = t0 + 1;
         while (t1 < T && row_slot[t1] == row_slot[t0] && row_prefix[t1] == row_prefix[t0] && row_new[t1] == row_new[t0])
             t1++;
         const int64_t columns = (t1 - t0) * G;
-        for (int64_t c = 0; c < columns; c += AMX_COLUMNS) {
+        for (int64_t c = 0; c < columns; c += COLUMNS) {
             item_row[items] = t0;
             item_col[items] = c;
-            item_cols[items++] = columns - c < AMX_COLUMNS ? columns - c : AMX_COLUMNS;
+            item_cols[items++] = columns - c < COLUMNS ? columns - c : COLUMNS;
         }
         t0 = t1;
     }
     return items;
 }
 
-/* Thread me's share of the AMX attention's items (amx_items' three arrays, `cap` apart), every
+/* Thread me's share of the attention's items (column_items' three arrays, `cap` apart), every
  * item for every KV head: the caches are one layer's [S, Hkv, L, D]. */
 static void attend_items(int64_t me, int64_t team, int64_t count, const int64_t *items, int64_t cap, const uint16_t *q,
                          const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out, const int64_t *row_slot,
                          const int64_t *row_prefix, const int64_t *row_index, const int64_t *row_new,
                          const int32_t *mask, int64_t W, int64_t Hq, int64_t Hkv, int64_t L, int64_t D, float sm_scale,
                          attention_scratch s) {
+    const int amx = amx_attention(D);
     for (int64_t item = count * Hkv * me / team; item < count * Hkv * (me + 1) / team; item++) {
         const int64_t i = item / Hkv, kvh = item % Hkv, t0 = items[i], at = (row_slot[t0] * Hkv + kvh) * L * D;
-        amx_attend_columns(t0, items[cap + i], items[2 * cap + i], kvh, q, k_cache + at, v_cache + at, out,
-                           row_prefix[t0], row_new[t0], row_index, mask, W, Hq, Hq / Hkv, L, D, sm_scale, s);
+        if (amx)
+            amx_attend_columns(t0, items[cap + i], items[2 * cap + i], kvh, q, k_cache + at, v_cache + at, out,
+                               row_prefix[t0], row_new[t0], row_index, mask, W, Hq, Hq / Hkv, L, D, sm_scale, s);
+        else
+            avx2_attend_columns(t0, items[cap + i], items[2 * cap + i], kvh, q, k_cache + at, v_cache + at, out,
+                                row_prefix[t0], row_new[t0], row_index, mask, W, Hq, Hq / Hkv, D, sm_scale, s);
     }
 }
 
@@ -397,27 +429,17 @@ int treespec_tree_attention_bf16(const uint16_t *q, const uint16_t *k_cache, con
                                  const int64_t *row_new, const int32_t *mask, int64_t W, int64_t T, int64_t Hq,
                                  int64_t Hkv, int64_t L, int64_t D, float sm_scale) {
     const int threads = omp_get_max_threads();
-    attention_scratch *pool = scratch_pool(L, D, threads);
-    if (!pool) return TREESPEC_NO_MEMORY;
-    const int64_t G = Hq / Hkv, cap = T * G / AMX_COLUMNS + T + 1;
-    int64_t *items = amx_attention(D) ? malloc(sizeof(int64_t) * 3 * cap) : 0;
-    if (amx_attention(D) && !items) {
-        scratch_pool_free(pool, threads);
+    const int64_t G = Hq / Hkv, cap = column_cap(T, G);
+    int64_t *items = malloc(sizeof(int64_t) * 3 * cap);
+    attention_scratch *pool = items ? scratch_pool(L, D, threads) : 0;
+    if (!pool) {
+        free(items);
         return TREESPEC_NO_MEMORY;
     }
-    const int64_t count = items ? amx_items(T, G, row_slot, row_prefix, row_new, items, items + cap, items + 2 * cap) : 0;
+    const int64_t count = column_items(T, G, row_slot, row_prefix, row_new, items, items + cap, items + 2 * cap);
 #pragma omp parallel num_threads(threads)
-    {
-        const int me = omp_get_thread_num(), team = omp_get_num_threads();
-        const attention_scratch s = pool[me];
-        if (items)
-            attend_items(me, team, count, items, cap, q, k_cache, v_cache, out, row_slot, row_prefix, row_index, row_new,
-                         mask, W, Hq, Hkv, L, D, sm_scale, s);
-        else
-            for (int64_t item = (T * Hkv) * me / team; item < (T * Hkv) * (me + 1) / team; item++)
-                attend_item(item / Hkv, item % Hkv, q, k_cache, v_cache, out, row_slot, row_prefix, row_index,
-                            row_new, mask, W, Hq, Hkv, L, D, sm_scale, s); /* one row, one KV head, its query heads */
-    }
+    attend_items(omp_get_thread_num(), omp_get_num_threads(), count, items, cap, q, k_cache, v_cache, out, row_slot,
+                 row_prefix, row_index, row_new, mask, W, Hq, Hkv, L, D, sm_scale, pool[omp_get_thread_num()]);
     free(items);
     scratch_pool_free(pool, threads);
     return 0;

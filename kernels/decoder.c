@@ -106,7 +106,7 @@ typedef struct {
     const int32_t *mask;
     float *x, *y;
     uint16_t *xb, *qb, *attn;
-    const int64_t *items; /* the AMX attention's (NULL: one item per row and KV head) */
+    const int64_t *items; /* the attention's (column_items) */
     int64_t count, cap;
     int64_t n_qkv[3], n_gu[2], n_h[1], g_qkv[4], g_gu[3], g_h[2], g_down[2]; /* outputs, weight groups */
 } step_state;
@@ -155,17 +155,9 @@ static void phase_rotary_cache(const step_state *st, const step_thread *th, uint
 
 /* attention: the tree attention of every row over the layer's cache into attn. */
 static void phase_attention(const step_state *st, const step_thread *th, const uint16_t *kc, const uint16_t *vc) {
-    if (st->items) {
-        attend_items(th->me, th->threads, st->count, st->items, st->cap, st->qb, kc, vc, st->attn, st->row_slot,
-                     st->row_prefix, st->row_index, st->row_new, st->mask, st->W, st->Hq, st->Hkv, st->L, st->D,
-                     st->sm_scale, th->scratch);
-        return;
-    }
-    const int64_t items = st->T * st->Hkv;
-    for (int64_t item = items * th->me / th->threads; item < items * (th->me + 1) / th->threads; item++)
-        attend_item(item / st->Hkv, item % st->Hkv, st->qb, kc, vc, st->attn, st->row_slot, st->row_prefix,
-                    st->row_index, st->row_new, st->mask, st->W, st->Hq, st->Hkv, st->L, st->D, st->sm_scale,
-                    th->scratch);
+    attend_items(th->me, th->threads, st->count, st->items, st->cap, st->qb, kc, vc, st->attn, st->row_slot,
+                 st->row_prefix, st->row_index, st->row_new, st->mask, st->W, st->Hq, st->Hkv, st->L, st->D,
+                 st->sm_scale, th->scratch);
 }
 
 /* widen: the attention's bf16 output into x in fp32 (the AVX2 road's o_proj input). */
@@ -259,10 +251,9 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
     const int team = omp_get_max_threads();
     const int64_t pack = share_scratch(xb, T, widest_in); /* xb is set whenever it matters */
     uint32_t *xp = pack ? malloc(sizeof(uint32_t) * pack * team) : 0;
-    const int64_t cap = T * (Hq / Hkv) / AMX_COLUMNS + T + 1;
-    int64_t *items = amx_attention(D) ? malloc(sizeof(int64_t) * 3 * cap) : 0;
-    attention_scratch *pool =
-        x && xb && y && qb && attn && (xp || !pack) && (items || !amx_attention(D)) ? scratch_pool(L, D, team) : 0;
+    const int64_t cap = column_cap(T, Hq / Hkv);
+    int64_t *items = malloc(sizeof(int64_t) * 3 * cap);
+    attention_scratch *pool = x && xb && y && qb && attn && (xp || !pack) && items ? scratch_pool(L, D, team) : 0;
     if (!pool) goto done; /* nothing computed, nothing left allocated */
     step_state st = {.T = T, .H = H, .I = I, .Hq = Hq, .Hkv = Hkv, .D = D, .QD = QD, .KD = KD, .L = L,
                      .W = W, .eps = eps, .sm_scale = sm_scale, .cos = cos, .sin = sin, .row_slot = row_slot,
@@ -273,7 +264,7 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
     group_offsets(2, st.n_gu, st.g_gu);
     group_offsets(1, st.n_h, st.g_h);
     group_offsets(1, st.n_h, st.g_down);
-    st.count = items ? amx_items(T, Hq / Hkv, row_slot, row_prefix, row_new, items, items + cap, items + 2 * cap) : 0;
+    st.count = column_items(T, Hq / Hkv, row_slot, row_prefix, row_new, items, items + cap, items + 2 * cap);
     MARK_START();
 #pragma omp parallel num_threads(team)
     {

@@ -147,9 +147,9 @@ def test_attention_matches_the_specification_and_is_batch_invariant():
 @needs_kernels
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (4, 24), (7, 80), (9, 8)])
 def test_query_heads_that_share_key_loads_get_the_bits_of_each_head_alone(group, head_dim):
-    """The kernel scores up to four query heads of a KV group per key load: each head's output
-    is the same sequence of operations as that head attending alone (one query head, one KV
-    head), and close to the float64 specification."""
+    """The kernel scores a request's (row, query head) columns of a KV group together, up to 16 per
+    key load: each head's output is the same sequence of operations as that head attending alone
+    (one query head, one KV head), and close to the float64 specification."""
     torch.manual_seed(group)
     kv_heads, rows = 2, 5
     k_cache, v_cache = torch.randn(2, 3, kv_heads, 30, head_dim).bfloat16()

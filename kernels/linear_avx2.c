@@ -45,11 +45,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
 }
 
 /* The weight rows a tile of R x rows takes at once: as many as 16 registers hold beside R * C
- * accumulators, the x row and the mask (1: 6, 2: 4, 3: 3, 5-6: 2; block_rows makes no tile of
- * four). A GROUP of weight rows is a multiple of each, so every tile of a group sweeps it in
- * whole steps. */
+ * accumulators, the x row and the mask (1: 6, 2: 4, 3: 3). A GROUP of weight rows is a multiple
+ * of each, so every tile of a group sweeps it in whole steps. */
 #define GROUP 12
-static inline int tile_columns(int R) { return R == 1 ? 6 : R == 2 ? 4 : R == 3 ? 3 : 2; }
+static inline int tile_columns(int R) { return R == 1 ? 6 : R == 2 ? 4 : 3; }
 
 /* R x rows against C <= tile_columns(R) weight rows (C known only at run time: one tile per C). */
 #define TILE_CASE(R, C) \
@@ -60,44 +59,37 @@ static inline __attribute__((always_inline)) void rows_tile(const float *x, cons
     switch (R) {
         case 1: switch (C) { TILE_CASE(1, 6); TILE_CASE(1, 5); TILE_CASE(1, 4); TILE_CASE(1, 3); TILE_CASE(1, 2); default: tile(x, w, bias, y, N, K, 1, 1, prefetch); } break;
         case 2: switch (C) { TILE_CASE(2, 4); TILE_CASE(2, 3); TILE_CASE(2, 2); default: tile(x, w, bias, y, N, K, 2, 1, prefetch); } break;
-        case 3: switch (C) { TILE_CASE(3, 3); TILE_CASE(3, 2); default: tile(x, w, bias, y, N, K, 3, 1, prefetch); } break;
-        case 5: if (C == 2) tile(x, w, bias, y, N, K, 5, 2, prefetch); else tile(x, w, bias, y, N, K, 5, 1, prefetch); break;
-        default: if (C == 2) tile(x, w, bias, y, N, K, 6, 2, prefetch); else tile(x, w, bias, y, N, K, 6, 1, prefetch); break;
+        default: switch (C) { TILE_CASE(3, 3); TILE_CASE(3, 2); default: tile(x, w, bias, y, N, K, 3, 1, prefetch); } break;
     }
 }
 #undef TILE_CASE
 
-/* Rows m0..m1 of packed x against G <= GROUP consecutive rows of W. A block of 4-8 rows takes
- * the group four weight rows at a time, every tile of two rows (and a last one of one) on each
- * chunk while it is in L1, so the pass that streams the weight from memory does all the rows'
- * products (measured on Zen 3: faster than one tile of four or five by two weight rows, both
- * when the weight streams from memory and when it sits in cache). Other blocks go by tiles of
- * six (the most products per widened weight) and the last 1-5 rows as one tile, a remainder of
- * one after sixes as 2 + 5 (a one-row tile widens every weight for one product); up to three rows
- * are one tile. The tile shape never changes what is computed for an output, only how many are
- * computed together (tests/test_cpu_kernels.py: the same bits at every row count). */
+/* Rows m0..m1 of packed x against G <= GROUP consecutive rows of W. Up to three rows are one
+ * tile. More take the group four weight rows at a time, every tile of two rows (and a last one of
+ * one) on each chunk while it is in L1, so the pass that streams the weight from memory does all
+ * the rows' products. Measured on Zen 3 (one 8,192 x 576 matrix in L3): 71-74 % of the road's
+ * peak from 4 to 64 rows, where tiles of six rows by two weight rows (fewer widenings per
+ * product, but sixteen registers with a spill) ran at 50-62 % from 9 rows up, and tiles holding
+ * three x rows in registers by four weight rows slower still. The tile shape never changes what
+ * is computed for an output, only how many are computed together (tests/test_cpu_kernels.py: the
+ * same bits at every row count). */
 static void block_rows(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m0, int64_t m1,
                        int64_t N, int64_t K, int G) {
     /* While the first tile streams a chunk, it prefetches the same chunk of the next group (a
      * step of a few rows is bound by reading the weight from memory; more lines in flight read
      * it faster). */
     const char *next = (const char *)(w + G * K);
-    if (m1 - m0 >= 4 && m1 - m0 <= 8) {
-        for (int c = 0; c < G; c += 4)
-            for (int64_t m = m0; m < m1; m += 2)
-                rows_tile(x + m * K, w + c * K, bias ? bias + c : 0, y + m * N + c, N, K, m + 1 < m1 ? 2 : 1,
-                          G - c < 4 ? G - c : 4, m == m0 ? next + 2 * c * K : 0);
+    if (m1 - m0 <= 3) {
+        const int R = (int)(m1 - m0), C = tile_columns(R);
+        for (int c = 0; c < G; c += C)
+            rows_tile(x + m0 * K, w + c * K, bias ? bias + c : 0, y + m0 * N + c, N, K, R, G - c < C ? G - c : C,
+                      next + 2 * c * K);
         return;
     }
-    for (int64_t m = m0; m < m1;) {
-        const int64_t left = m1 - m;
-        const int R = left >= 6 && left != 7 ? 6 : left == 7 || left == 4 ? 2 : (int)left;
-        const int C = tile_columns(R);
-        for (int c = 0; c < G; c += C)
-            rows_tile(x + m * K, w + c * K, bias ? bias + c : 0, y + m * N + c, N, K, R, G - c < C ? G - c : C,
-                      m == m0 ? next + 2 * c * K : 0);
-        m += R;
-    }
+    for (int c = 0; c < G; c += 4)
+        for (int64_t m = m0; m < m1; m += 2)
+            rows_tile(x + m * K, w + c * K, bias ? bias + c : 0, y + m * N + c, N, K, m + 1 < m1 ? 2 : 1,
+                      G - c < 4 ? G - c : 4, m == m0 ? next + 2 * c * K : 0);
 }
 
 /* x rows m0..m1 (fp32, stride K) packed in pairs for the AVX2 tiles, into xp [m1 - m0, K]: per

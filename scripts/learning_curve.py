@@ -145,7 +145,9 @@ def plot(points: list[dict], path: Path, kind: str, beside: dict[str, list[dict]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--data", required=True, help="folder written by 'treespec train-heads features'")
+    parser.add_argument(
+        "--data", required=True, type=Path, help="folder written by 'treespec train-heads features'"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/curve"))
     parser.add_argument("--kind", default="eagle", choices=["eagle", "eagle3", "medusa", "draft"])
     parser.add_argument("--points", default="50000,200000,1000000", help="answer tokens per point")
@@ -177,6 +179,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model, _ = models.load(args.model, dtype=torch.float32)
     data = HeadDataset(args.data, model)
+    # the dev answers 'features' wrote beside the data (never trained on): each epoch's dev loss
+    dev = HeadDataset(args.data / "dev", model) if (args.data / "dev" / "manifest.json").is_file() else None
     available = sum(len(s.tokens) - s.prompt_len for s in data)
     results = []
     for point in points:
@@ -189,7 +193,7 @@ def main() -> None:
             config = TrainConfig(kind=args.kind, epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps,
                                  data_tokens=point, eval_prompts=0, checkpoint_every=args.checkpoint_every,
                                  precision=args.precision, draft_layers=args.draft_layers)  # fmt: skip
-            train(config, model, data, folder, resume=(folder / CHECKPOINT).is_file())
+            train(config, model, data, folder, resume=(folder / CHECKPOINT).is_file(), dev=dev)
         report = json.loads((folder / "report.json").read_text())
         if not (folder / "measured.json").is_file():  # written last: a kill before it measures again
             measured = measure(folder / "head", args, folder / "bench.json")
@@ -206,6 +210,7 @@ def main() -> None:
             measured.setdefault("tau_at", {})[name] = json.loads(path.read_text())["tau"]
         result = {"answer_tokens": report["answer_tokens"], "positions": report["data_tokens"],
                   "wall_s": report["wall_s"], "loss": report["history"][-1]["mean_loss"],
+                  "dev_loss": [h.get("dev_loss") for h in report["history"]],
                   "steps": report["steps"], **measured}  # fmt: skip
         print(json.dumps(result))
         results.append(result)

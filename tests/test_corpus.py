@@ -334,3 +334,44 @@ def test_features_of_only_the_greedy_or_only_the_sampled_answers(tmp_path):
         write_features(
             model, answers, tmp_path / "hot", feature_layers=LAYERS, answers_selection="hot", progress=False
         )
+
+
+def test_features_cli_writes_the_dev_answers_beside_the_training_ones(tmp_path):
+    """``treespec train-heads features`` keeps the dev split's answers out of the training data
+    and writes them to OUT/dev, which ``train`` then reports a held-out loss on each epoch."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from treespec.cli import main
+    from treespec.models import model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path("smollm2-135m-instruct"))
+    torch.manual_seed(0)
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=True))  # fmt: skip
+    tiny.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    answers = _answers(tiny)
+    splits = ["train", "dev", "train", "train", "dev", "train"]
+    (corpus / "prompts.jsonl").write_text(
+        "".join(
+            json.dumps({"id": a["id"], "split": split}) + "\n"
+            for a, split in zip(answers, splits, strict=True)
+        )
+    )
+    (corpus / "answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
+    assert main(["train-heads", "features", "--model", str(tmp_path / "tiny"), "--corpus", str(corpus),
+                 "--out", str(tmp_path / "data"), "--dtype", "fp32"]) == 0  # fmt: skip
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "tiny")
+    trained_on = {len(s.tokens) for s in HeadDataset(tmp_path / "data", model)}
+    held_out = {len(s.tokens) for s in HeadDataset(tmp_path / "data" / "dev", model)}
+    lengths = [len(a["prompt"]) + len(a["answer"]) for a in answers]
+    assert held_out == {lengths[1], lengths[4]}
+    assert trained_on == {lengths[i] for i in (0, 2, 3, 5)}
+    assert main(["train-heads", "train", "--kind", "eagle", "--model", str(tmp_path / "tiny"),
+                 "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--epochs", "2",
+                 "--eval-prompts", "0", "--batch-tokens", "64"]) == 0  # fmt: skip
+    history = json.loads((tmp_path / "run" / "report.json").read_text())["history"]
+    assert [r["epoch"] for r in history] == [1, 2] and all(r["dev_loss"] > 0 for r in history)

@@ -18,6 +18,7 @@ from treespec.heads.training.train import (
     LOSSES,
     TrainConfig,
     build_module,
+    dev_loss,
     make_batches,
     token_subset,
     train,
@@ -158,6 +159,29 @@ def test_resume_continues_exactly(tiny_data, tmp_path, kind):
             resume=True,
             progress=False,
         )
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "draft"])
+def test_each_epoch_reports_the_loss_on_held_out_sequences(tiny_data, tmp_path, kind):
+    """With dev data, every epoch's record holds dev_loss: the training loss without the feature
+    noise on sequences never trained on, the same number however often it is asked for, and (here
+    the dev sequences are two of the training ones, which the head learns) lower after training."""
+    model, folder = tiny_data
+    data = HeadDataset(folder, model)
+    config = TrainConfig(kind=kind, epochs=3, lr=3e-3, batch_tokens=40, warmup_steps=1, medusa_heads=2,
+                         draft_layers=1, feature_noise=0.2)  # fmt: skip
+    held_out = data.sequences()[:2]
+    untrained = build_module(config, model, data, data.sequences())
+    mode = untrained.training
+    before = dev_loss(config, untrained, model, held_out)
+    assert before == dev_loss(config, untrained, model, held_out)  # no noise: repeatable
+    assert untrained.training == mode  # left as it was found
+    report = train(config, model, data, tmp_path, dev=data, progress=False)
+    losses = [record["dev_loss"] for record in report["history"]]
+    assert len(losses) == 3 and all(loss == loss and loss > 0 for loss in losses)
+    assert losses[-1] < losses[0]
+    with pytest.raises(ValueError, match="at least one held-out sequence"):
+        dev_loss(config, untrained, model, [])
 
 
 def test_token_subsets_nest_and_count_answer_tokens(tiny_data):
@@ -339,6 +363,16 @@ def test_train_heads_cli_end_to_end(tmp_path):
                  "--eval-prompts", "1", "--eval-new-tokens", "4", "--batch-tokens", "64"]) == 0  # fmt: skip
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["history"][0]["tau"] >= 1.0 and report["data_sequences"] == 2
+    assert "dev_loss" not in report["history"][0]  # no DATA/dev: no held-out loss
+    # held-out data named on the command line (here the training data itself): each epoch's loss on it
+    assert main(["train-heads", "train", "--kind", "medusa", "--model", str(tmp_path / "tiny"),
+                 "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run-dev"), "--epochs", "1",
+                 "--eval-prompts", "0", "--batch-tokens", "64", "--dev-data", str(tmp_path / "data")]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "run-dev" / "report.json").read_text())
+    assert report["history"][0]["dev_loss"] > 0
+    assert main(["train-heads", "train", "--kind", "medusa", "--model", str(tmp_path / "tiny"),
+                 "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run-x"),
+                 "--dev-data", str(tmp_path / "nowhere")]) == 2  # fmt: skip
     (tmp_path / "empty.txt").write_text("")
     assert main(["train-heads", "data", "--model", str(tmp_path / "tiny"), "--out", str(tmp_path / "d2"),
                  "--prompts", str(tmp_path / "empty.txt"), "--no-builtin-prompts"]) == 2  # fmt: skip

@@ -464,6 +464,9 @@ def _add_train_stage(stages: argparse._SubParsersAction) -> None:
            help="bf16: forwards and backwards under bf16 autocast, fp32 weights and optimizer state")  # fmt: skip
     option("eval_prompts", type=int, help="dev prompts for the per-epoch tau (0: none)")
     option("eval_new_tokens", type=int)
+    fit.add_argument("--dev-data", default=None,
+                     help="held-out data folder whose loss each epoch reports (default: DATA/dev where "
+                     "'features' wrote it; 'none': no dev loss)")  # fmt: skip
     fit.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")
     fit.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     option("seed", type=int)
@@ -592,11 +595,17 @@ def _train_heads_features(args: argparse.Namespace) -> int:
         raise ValueError(f"{corpus / ANSWERS} holds no answers: run 'treespec train-heads answers' first")
     dev = {r["id"] for r in read_records(corpus / PROMPTS) if r.get("split") == "dev"}
     layers = default_feature_layers(model.config.get_text_config().num_hidden_layers)
-    manifest = write_features(model, [a for a in answers if a["id"] not in dev], args.out, feature_layers=layers,
-                              eagle3=args.eagle3, answers_selection=args.answers, batch_tokens=args.batch_tokens)  # fmt: skip
-    tokens = sum(s["tokens"] for s in manifest["shards"])
-    answer_tokens = sum(s["answer_tokens"] for s in manifest["shards"])
-    print(f"{args.out}: {tokens} positions with hidden states, {answer_tokens} of them answer tokens")
+    # the train answers into OUT, the dev ones (never trained on) into OUT/dev: 'train' reports
+    # the loss on them after every epoch
+    for folder, chosen in ((Path(args.out), [a for a in answers if a["id"] not in dev]),
+                           (Path(args.out) / "dev", [a for a in answers if a["id"] in dev])):  # fmt: skip
+        if not chosen:
+            continue
+        manifest = write_features(model, chosen, folder, feature_layers=layers, eagle3=args.eagle3,
+                                  answers_selection=args.answers, batch_tokens=args.batch_tokens)  # fmt: skip
+        tokens = sum(s["tokens"] for s in manifest["shards"])
+        answer_tokens = sum(s["answer_tokens"] for s in manifest["shards"])
+        print(f"{folder}: {tokens} positions with hidden states, {answer_tokens} of them answer tokens")
     return EXIT_OK
 
 
@@ -612,16 +621,31 @@ def _train_heads_train(args: argparse.Namespace) -> int:
     model, tokenizer = models.load(args.model, dtype=torch.float32)
     data = HeadDataset(args.data, model)
     config = TrainConfig(kind=args.kind, **_config_values(args, TRAIN_CONFIG))
-    dev = encode_prompts(tokenizer, DEV_PROMPTS) if args.eval_prompts else None
-    report = train(
-        config, model, data, args.out, resume=args.resume, eval_prompts=dev, max_steps=args.max_steps
-    )
+    dev = encode_prompts(tokenizer, DEV_PROMPTS) if config.eval_prompts else None  # the option may be absent
+    report = train(config, model, data, args.out, resume=args.resume, eval_prompts=dev,
+                   dev=_dev_data(args.dev_data, args.data, model), max_steps=args.max_steps)  # fmt: skip
     print(
         json.dumps(
             {k: report[k] for k in ("steps", "history", "wall_s", "data_tokens", "answer_tokens")}, indent=1
         )
     )
     return EXIT_OK
+
+
+def _dev_data(choice: str | None, data: str, model):
+    """The held-out data of ``train --dev-data``: the folder named, DATA/dev when it holds a
+    manifest (None otherwise), or None for 'none'."""
+    from treespec.heads.training.data import HeadDataset
+
+    if choice == "none":
+        return None
+    if choice is None:
+        folder = Path(data) / "dev"
+        return HeadDataset(folder, model) if (folder / "manifest.json").is_file() else None
+    if not (Path(choice) / "manifest.json").is_file():
+        raise ValueError(f"--dev-data {choice}: no data folder there (no manifest.json); pass a folder that "
+                         f"'treespec train-heads features' wrote, or 'none'")  # fmt: skip
+    return HeadDataset(choice, model)
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -37,7 +37,7 @@ import os
 import random
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -401,10 +401,13 @@ def train(
     *,
     resume: bool = False,
     eval_prompts: list[list[int]] | None = None,
+    dev: HeadDataset | None = None,
     max_steps: int | None = None,
     progress: bool = True,
 ) -> dict:
-    """Train one kind; returns (and writes to out_dir/report.json) the report."""
+    """Train one kind; returns (and writes to out_dir/report.json) the report. With ``dev`` (held-out
+    sequences of the same target: ``treespec train-heads features`` writes them to DATA/dev), each
+    epoch's record also holds ``dev_loss`` (:func:`dev_loss`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if config.kind == "eagle3" and not data.has_features:
@@ -418,6 +421,7 @@ def train(
     if config.data_tokens is not None:
         sequences = token_subset(sequences, config.data_tokens)
     loop = _Loop(config, target, sequences, build_module(config, target, data, sequences), out_dir)
+    loop.dev = dev.sequences() if dev is not None else None
     if resume and (out_dir / CHECKPOINT).is_file():
         loop.resume()
     stopped = loop.run(eval_prompts, max_steps, progress)
@@ -465,6 +469,7 @@ class _Loop:
                         "batch_tokens": config.batch_tokens, "max_seq_len": config.max_seq_len,
                         "epochs": config.epochs, "seed": config.seed, "world": self.world}  # fmt: skip
         self.state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "planned": self.planned}
+        self.dev: list[Sequence] | None = None  # held-out sequences: each epoch's dev_loss
         self.start = time.perf_counter()
         self.before = 0.0  # seconds trained by the runs this one resumes
 
@@ -541,6 +546,8 @@ class _Loop:
             "steps": state["step"],
             "mean_loss": sum(losses) / max(len(losses), 1),
         }
+        if self.rank == 0 and self.dev:
+            record["dev_loss"] = dev_loss(self.config, self.module, self.target, self.dev)
         if self.rank == 0 and eval_prompts:
             record.update(evaluate(self.config, self.module, self.target, eval_prompts))
         state["history"].append(record)
@@ -599,6 +606,29 @@ def evaluate(
         lengths += out.stats.accepted_lengths[0]
     module.train()
     return {"tau": sum(lengths) / max(len(lengths), 1), "acceptance_by_depth": acceptance_by_depth(lengths)}
+
+
+def dev_loss(
+    config: TrainConfig, module: nn.Module, target: PreTrainedModel, sequences: list[Sequence]
+) -> float:
+    """The training loss on held-out sequences, the number whose floor says when training more
+    stops paying: the same loss as training (its training-time test included) without the
+    feature noise, no gradients, the module in eval mode; the batches' losses averaged weighted
+    by their positions. Batches are packed as epoch 0 packs them, so the number is repeatable."""
+    if not sequences:
+        raise ValueError("dev_loss needs at least one held-out sequence, got none")
+    quiet = replace(config, feature_noise=0.0)
+    was_training = module.training
+    module.eval()
+    total, positions = 0.0, 0
+    with torch.no_grad(), _autocast(config, target):
+        for batch in make_batches(sequences, config, 0):
+            chosen = [sequences[i] for i in batch]
+            n = sum(len(s.tokens) for s in chosen)
+            total += LOSSES[config.kind](module, target, chosen, quiet).item() * n
+            positions += n
+    module.train(was_training)
+    return total / positions
 
 
 def expand_histogram(histogram: dict) -> list[int]:

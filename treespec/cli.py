@@ -597,8 +597,8 @@ def _train_heads_features(args: argparse.Namespace) -> int:
     layers = default_feature_layers(model.config.get_text_config().num_hidden_layers)
     # the train answers into OUT, the dev ones (never trained on) into OUT/dev: 'train' reports
     # the loss on them after every epoch
-    for folder, chosen in ((Path(args.out), [a for a in answers if a["id"] not in dev]),
-                           (Path(args.out) / "dev", [a for a in answers if a["id"] in dev])):  # fmt: skip
+    for folder, chosen in ((Path(args.out) / "dev", [a for a in answers if a["id"] in dev]),  # small: first
+                           (Path(args.out), [a for a in answers if a["id"] not in dev])):  # fmt: skip
         if not chosen:
             continue
         manifest = write_features(model, chosen, folder, feature_layers=layers, eagle3=args.eagle3,

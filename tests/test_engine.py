@@ -310,3 +310,105 @@ def test_one_default_context_and_requests_longer_than_a_proposer_holds_are_refus
     with pytest.raises(ValueError, match="build the proposer .* with max_len=80"):
         treespec.generate(model, [[5] * 70], max_new_tokens=10, proposer=hybrid)
     assert treespec.generate(model, [[5, 6, 7]], max_new_tokens=4, proposer=draft).sequences
+
+
+class Recorder(WrappingProposer):
+    """Wraps a proposer and records every request id it is asked about, fed, or told to forget."""
+
+    def __init__(self, inner: Proposer):
+        super().__init__(inner)
+        self.seen: set[int] = set()
+
+    def propose(self, requests):
+        self.seen |= {r.request_id for r in requests}
+        return self.proposer.propose(requests)
+
+    def observe(self, result):
+        self.seen |= {r.request_id for r in result.requests}
+        self.proposer.observe(result)
+
+    def observe_prefill(self, request_id, tokens, hidden):
+        self.seen.add(request_id)
+        self.proposer.observe_prefill(request_id, tokens, hidden)
+
+    def release(self, request_id):
+        self.seen.add(request_id)
+        self.proposer.release(request_id)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_requests_that_do_not_speculate_run_beside_those_that_do(kind, temperature):
+    """speculate=False: the proposer never hears of the request and its trees are its root alone.
+    Greedy, every output is the one it gets with the proposer; sampled (seeded), a request that
+    does not speculate draws what it draws when no request speculates, whatever speculates
+    around it."""
+    model = build("llama")
+    prompts = [list(range(5, 12)) * 2, [20, 21, 22, 20, 21, 22, 20], list(range(30, 45)), [7, 8, 7, 8, 7, 8]]
+    params = [SamplingParams(temperature=temperature, seed=10 + i) for i in range(len(prompts))]
+
+    def inner():
+        if kind == "eagle":
+            return EagleProposer(
+                random_head(model), model, top_k=2, depth=3, total_tokens=5, max_batch_size=4
+            )
+        return NgramProposer(max_depth=3)
+
+    def run(speculate: list[bool]):
+        proposer = Recorder(inner())
+        engine = Engine(Target(model), max_batch_size=4, proposer=proposer, prefill_chunk_size=4)
+        ids = [engine.add_request(p, max_new_tokens=12, sampling=s, speculate=flag)
+               for p, s, flag in zip(prompts, params, speculate, strict=True)]  # fmt: skip
+        while engine.has_unfinished():
+            engine.step()
+        return [engine.pop(i).output for i in ids], proposer.seen, ids, engine.stats
+
+    everyone, _, _, _ = run([True] * 4)
+    mixed, seen, ids, stats = run([False, True, False, True])
+    none, nobody, _, _ = run([False] * 4)
+    assert seen == {ids[1], ids[3]} and not nobody
+    assert set(stats.accepted_lengths) == set(ids)
+    for i in (0, 2):  # one token a step
+        assert set(stats.accepted_lengths[ids[i]]) == {1}
+    assert [mixed[0], mixed[2]] == [none[0], none[2]]
+    if temperature == 0.0:
+        assert mixed == everyone == none
+    with pytest.raises(TypeError, match="speculate must be a bool"):
+        Engine(Target(model)).add_request([1, 2], max_new_tokens=2, speculate="no")
+
+
+def test_an_aborted_request_frees_its_slot_and_the_proposers_state_at_once():
+    """abort() between steps: a running request's cache slot is free before the next step and the
+    proposer is told to forget it; a waiting one never starts; the others' outputs are unchanged."""
+    model = build("llama")
+    prompts = [list(range(5, 12)), [20, 21, 22], list(range(30, 45))]
+    plain = [hf_greedy(model, p, 10) for p in prompts]
+    proposer = Recorder(
+        EagleProposer(random_head(model), model, top_k=2, depth=2, total_tokens=3, max_batch_size=2)
+    )
+    released = []
+    original = proposer.proposer.release
+    proposer.proposer.release = lambda rid: (released.append(rid), original(rid))[1]
+    engine = Engine(Target(model), max_batch_size=2, proposer=proposer)
+    ids = [engine.add_request(p, max_new_tokens=10, eos_token_id=[]) for p in prompts]
+    engine.step()
+    engine.step()
+    assert engine.num_running == 2 and engine.num_waiting == 1
+    free = engine.cache.num_free
+    engine.abort(ids[0])
+    assert engine.cache.num_free == free + 1 and released == [ids[0]]
+    assert engine.num_running == 1
+    engine.abort(ids[0])  # already ended: nothing more
+    while engine.has_unfinished():
+        engine.step()
+    aborted = engine.pop(ids[0])
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.output) < 10
+    assert [engine.pop(i).output for i in ids[1:]] == plain[1:]
+    waiting = Engine(Target(model), max_batch_size=1)
+    first, second = (waiting.add_request(p, max_new_tokens=3) for p in prompts[:2])
+    waiting.abort(second)
+    while waiting.has_unfinished():
+        waiting.step()
+    assert waiting.pop(second).output == [] and waiting.pop(first).finish_reason in ("eos", "length")
+    with pytest.raises(ValueError, match="no request 99"):
+        waiting.abort(99)

@@ -28,7 +28,7 @@ class HiddenHandover:
         """The step's prefill chunks (``running``'s requests still prefilling, before their
         progress is counted), rows ``batch.cu[i]:batch.cu[i + 1]`` of ``hidden``."""
         for i, request in enumerate(running):
-            if not request.prefilling:
+            if not request.prefilling or not request.speculate:
                 continue
             rows = hidden[batch.cu[i] : batch.cu[i + 1]]
             tokens = request.prompt[request.num_prefilled : request.num_prefilled + len(rows)]

@@ -156,10 +156,14 @@ class Engine:
         eos_token_id: int | Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
         stop: Callable[[list[int]], bool] | None = None,
+        speculate: bool = True,
     ) -> int:
         """Queue a request; it starts at the next step with a free slot. Returns its request id.
         ``stop`` (e.g. stop strings) sees prompt + output after each new token and ends the
-        request, that token kept, when it returns True (finish reason "stop")."""
+        request, that token kept, when it returns True (finish reason "stop"). ``speculate=False``
+        keeps the request away from the proposer (no tree, no drafting cost, nothing for the
+        proposer to learn from it): it decodes one token a step beside requests that speculate,
+        and its output is the same either way."""
         prompt = self._check_prompt(prompt)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -178,7 +182,10 @@ class Engine:
             raise ValueError(
                 f"the sampling parameters name token id {outside[0]}, outside the vocabulary [0, {self.target.vocab_size})"
             )
-        request = Request(self._next_id, prompt, max_new_tokens, frozenset(eos), sampling, stop=stop)
+        if not isinstance(speculate, bool):
+            raise TypeError(f"speculate must be a bool, got {type(speculate).__name__}")
+        request = Request(self._next_id, prompt, max_new_tokens, frozenset(eos), sampling, stop=stop,
+                          speculate=speculate and self.proposer is not None)  # fmt: skip
         if sampling.seed is not None:  # its own stream: what it draws does not depend on its batch
             request.generator = torch.Generator(device=self.target.device).manual_seed(sampling.seed)
         self._next_id += 1
@@ -203,6 +210,32 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def abort(self, request_id: int) -> None:
+        """End a request now, between steps (a client that went away): it leaves the queue, or
+        its cache slot and whatever the proposer keeps for it are freed at once. Its finish
+        reason is "abort"; its output so far stays readable until ``pop``. A finished request
+        is left as it is."""
+        if request_id not in self._requests:
+            raise ValueError(f"no request {request_id} in this engine")
+        request = self._requests[request_id]
+        if request.finished:
+            return
+        request.finish_reason = "abort"
+        if request in self._waiting:
+            self._waiting.remove(request)
+            return
+        if self._handover is not None:
+            self._handover.carry.pop(request_id, None)
+        self._retire()
 
     def output(self, request_id: int) -> list[int]:
         """All tokens generated so far for a request."""
@@ -316,6 +349,8 @@ class Engine:
             outputs.append(RequestOutput(request.request_id, kept, request.finished, request.finish_reason))
             results.append(RequestResult(request.request_id, tree_tokens, tree_parents, nodes, kept,
                                          _cut(hidden, kept)))  # fmt: skip
+        speculating = {r.request_id for r in plan.running if r.speculate}
+        results = [result for result in results if result.request_id in speculating]
         if self.proposer is not None and results:
             self.proposer.observe(StepResult(results))
         self._retire()
@@ -325,7 +360,11 @@ class Engine:
         while self._waiting and self.cache.num_free and len(self._running) < self.max_running:
             request = self._waiting.popleft()
             request.slot = self.cache.allocate()
-            self._running.append(request)
+            # requests that speculate run first: their trees come first, as the proposer returns them
+            at = len(self._running)
+            if request.speculate:
+                at = next((i for i, r in enumerate(self._running) if not r.speculate), at)
+            self._running.insert(at, request)
             self.stats.prompt_tokens += len(request.prompt)
             if self._pinned:
                 self._reuse_pinned(request)
@@ -336,13 +375,22 @@ class Engine:
         (None, None) without decoding requests. Without a proposer every tree is its root alone."""
         if not decoding:
             return None, None
-        if self.proposer is None:
+        plain = [r for r in decoding if not r.speculate]  # the running order puts them last
+        if len(plain) == len(decoding):
             return TokenTree.roots([r.output[-1] for r in decoding]).to(self.target.device), None
-        asks = self._asks(decoding)
+        asks = self._asks(decoding[: len(decoding) - len(plain)])
         tree = self.proposer.propose(asks)
         suspect = check_proposal(tree, asks, self.target.vocab_size, self.max_tree_nodes, full=self.debug)
-        self.stats.drafted_nodes += tree.num_nodes - len(decoding)
-        return tree.to(self.target.device), suspect
+        self.stats.drafted_nodes += tree.num_nodes - len(asks)
+        tree = tree.to(self.target.device)
+        if plain:
+            roots = TokenTree.roots([r.output[-1] for r in plain]).to(self.target.device)
+            if tree.draft_probs is not None:  # rows of leaves, never read: kept so the trees concatenate
+                roots = replace(
+                    roots, draft_probs=tree.draft_probs.new_zeros(len(plain), tree.draft_probs.shape[1])
+                )
+            tree = TokenTree.concat([tree, roots])
+        return tree, suspect
 
     def _asks(self, decoding: Sequence[Request]) -> list[ProposalRequest]:
         return [
@@ -390,7 +438,7 @@ class Engine:
             if request.finished:
                 self.cache.free(request.slot)
                 request.slot = -1
-                if self.proposer is not None:
+                if request.speculate:
                     self.proposer.release(request.request_id)
         self._running = [r for r in self._running if not r.finished]
 

@@ -26,9 +26,10 @@ class Request:
     slot: int = -1  # cache row while running
     num_prefilled: int = 0  # prompt tokens whose K/V is cached
     output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos", "length" or "stop"
+    finish_reason: str | None = None  # "eos", "length", "stop" or "abort"
     generator: torch.Generator | None = None  # its own, when its sampling has a seed
     stop: Callable[[list[int]], bool] | None = None  # prompt + output -> finished?
+    speculate: bool = True  # False: the proposer never sees it; it decodes one token a step
 
     @property
     def prefilling(self) -> bool:

@@ -23,6 +23,7 @@ BAD = {
         ["--kind", "eagle", "--data", "d", "--out", "o", "--precision", "fp8"],
         "--precision",
     ),
+    ("serve",): (["--port", "many"], "--port"),
 }
 SUITE_FLAGS = {
     "step": "--context",
@@ -42,9 +43,9 @@ BAD |= {("bench", suite): ([flag, "many"], flag) for suite, flag in SUITE_FLAGS.
 def test_every_subcommand_and_suite_is_covered():
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices  # argparse keeps them there
-    subcommands = {("bench",)} | {("bench", s) for s in cli.BENCH_SUITES}
+    subcommands = {("bench",), ("serve",)} | {("bench", s) for s in cli.BENCH_SUITES}
     for name, sub in commands.items():
-        if name == "bench":
+        if name in ("bench", "serve"):
             continue
         stages = sub._subparsers._group_actions[0].choices
         subcommands |= {(name, stage) for stage in stages}

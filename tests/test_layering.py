@@ -26,7 +26,7 @@ FOLDERS = {
 }
 LAYERS = (
     "treespec.heads.training", "treespec.heads", "treespec.kernels", "treespec.proposers", "treespec.engine",
-    "treespec.target", "treespec.bench",
+    "treespec.target", "treespec.bench", "treespec.serve",
 )  # fmt: skip
 
 # Late imports of treespec modules that are allowed, each with its reason. Any other fails the

@@ -39,7 +39,47 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models_parser(subparsers)
     _add_bench_parser(subparsers)
     _add_train_heads_parser(subparsers)
+    _add_serve_parser(subparsers)
     return parser
+
+
+def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions) over the engine",
+        description="One process: the model loaded once, the engine stepping while the HTTP side streams "
+        "(docs/serving.md). Needs the serve extra: pip install 'treespec[serve]'.",
+        formatter_class=_DefaultsFormatter,
+    )  # fmt: skip
+    serve.add_argument(
+        "model", nargs="?", default=models.DEFAULT_MODEL, help="registered name or local HF folder"
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--proposer", default="auto", choices=["auto", "none", "ngram", "eagle", "medusa", "draft",
+                       "hybrid"], help="how requests speculate (a request may turn it off: \"speculation\": false)")  # fmt: skip
+    serve.add_argument("--max-batch", type=int, default=8, help="requests decoding at once; the rest wait")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="prompt + new tokens per request (default: the engine's default for the model)")  # fmt: skip
+    serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per step per request")
+    serve.add_argument("--dtype", choices=sorted(models.DTYPES), default="bf16", help="the model's dtype")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the name clients pass as model (default: MODEL)"
+    )
+    serve.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        print("treespec: error: 'treespec serve' needs FastAPI and uvicorn: pip install 'treespec[serve]'",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_FAILED
+    from treespec.serve import ServeConfig
+    from treespec.serve.server import serve
+
+    serve(ServeConfig(args.model, args.host, args.port, args.proposer, args.max_batch, args.api_key,
+                      args.max_model_len, args.prefill_chunk, args.dtype, args.served_model_name))  # fmt: skip
+    return EXIT_OK
 
 
 def _add_models_parser(subparsers: argparse._SubParsersAction) -> None:

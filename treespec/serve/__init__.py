@@ -1,0 +1,39 @@
+"""``treespec serve``: an OpenAI-compatible server over the engine (docs/serving.md).
+
+One process: the model loaded once, the engine stepping in its own thread (continuous batching:
+requests join while others decode), the HTTP side on asyncio streaming what each step commits.
+Needs the ``serve`` extra (FastAPI, uvicorn): ``treespec.serve.server`` (``build``, ``serve``),
+``app`` and ``runner`` import them; this package's options (:class:`ServeConfig`) do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROPOSERS = ("auto", "none", "ngram", "eagle", "medusa", "draft", "hybrid")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    proposer: str = "auto"
+    max_batch: int = 8
+    api_key: str | None = None
+    max_model_len: int | None = None  # None: the engine's default for the model
+    prefill_chunk: int = 512
+    dtype: str = "bf16"
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
+        if not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {self.max_batch!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2 tokens, got {self.max_model_len}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")

@@ -1,0 +1,49 @@
+"""Loading and serving: the model, the proposer and the engine for ``treespec serve``."""
+
+from __future__ import annotations
+
+import uvicorn
+
+from treespec.api import _default_eos
+from treespec.auto import auto_proposer
+from treespec.bench.e2e import BenchConfig, Components
+from treespec.engine.loop import Engine
+from treespec.serve import ServeConfig
+from treespec.serve.app import ServerConfig, build_app
+from treespec.serve.runner import EngineRunner
+from treespec.target.cache import default_max_len
+
+
+def build(config: ServeConfig):
+    """The app and its runner (not started), the model loaded and the proposer built as
+    ``treespec bench`` builds it (the adaptive budget calibrated on this machine)."""
+    parts = Components(BenchConfig(model=config.model, proposers=("none",), baselines=(), dtype=config.dtype,
+                                   batch_size=config.max_batch))  # fmt: skip
+    target = parts.target
+    max_len = config.max_model_len or default_max_len(target.max_context)
+    if target.max_context is not None and max_len > target.max_context:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's context of {target.max_context}")
+    if config.proposer == "auto":
+        proposer = auto_proposer(parts.model, batch_size=config.max_batch, target=target, max_len=max_len)
+    elif config.proposer == "none":
+        proposer = None
+    else:
+        proposer = parts.proposer(config.proposer)
+    engine = Engine(target, max_batch_size=config.max_batch, max_len=max_len, prefill_chunk_size=config.prefill_chunk,
+                    proposer=proposer)  # fmt: skip
+    runner = EngineRunner(engine, config.proposer if proposer is not None else "none")
+    name = config.served_model_name or config.model
+    server = ServerConfig(name, tuple(_default_eos(parts.model)), max_len, target.vocab_size, config.api_key)
+    return build_app(runner, parts.tokenizer, server), runner
+
+
+def serve(config: ServeConfig) -> None:
+    """Load, start the engine thread, serve until interrupted."""
+    app, runner = build(config)
+    runner.start()
+    print(f"treespec: serving {config.served_model_name or config.model} on http://{config.host}:{config.port}/v1 "
+          f"(proposer {config.proposer}, up to {config.max_batch} requests at once)", flush=True)  # fmt: skip
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    finally:
+        runner.close()

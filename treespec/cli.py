@@ -78,7 +78,8 @@ def _serve(args: argparse.Namespace) -> int:
     from treespec.serve.server import serve
 
     serve(ServeConfig(args.model, args.host, args.port, args.proposer, args.max_batch, args.api_key,
-                      args.max_model_len, args.prefill_chunk, args.dtype, args.served_model_name))  # fmt: skip
+                      args.max_model_len, args.prefill_chunk, args.dtype, args.served_model_name,
+                      args.budget))  # fmt: skip
     return EXIT_OK
 
 

@@ -25,6 +25,7 @@ class ServeConfig:
     prefill_chunk: int = 512
     dtype: str = "bf16"
     served_model_name: str | None = None
+    budget: str = "adaptive"  # named proposers: "adaptive", "fixed" (their own trees) or "N" nodes a step
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -35,5 +36,9 @@ class ServeConfig:
             raise ValueError(f"max_model_len must be at least 2 tokens, got {self.max_model_len}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.budget not in ("adaptive", "fixed") and not (
+            self.budget.isdigit() and 1 <= int(self.budget) <= 31
+        ):
+            raise ValueError(f"budget must be adaptive, fixed or a node count 1..31, got {self.budget!r}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")

@@ -40,8 +40,12 @@ class TokenStream:
         self.prompt_tokens = 0
 
     def push(self, delta: Delta) -> None:
-        """From the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
+        """From the engine thread. Once the event loop has closed (the server stopping) there is
+        no one left to tell."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
+        except RuntimeError:
+            pass
 
     async def next(self) -> Delta:
         return await self._queue.get()

@@ -18,7 +18,7 @@ def build(config: ServeConfig):
     """The app and its runner (not started), the model loaded and the proposer built as
     ``treespec bench`` builds it (the adaptive budget calibrated on this machine)."""
     parts = Components(BenchConfig(model=config.model, proposers=("none",), baselines=(), dtype=config.dtype,
-                                   batch_size=config.max_batch))  # fmt: skip
+                                   batch_size=config.max_batch, budget=config.budget))  # fmt: skip
     target = parts.target
     max_len = config.max_model_len or default_max_len(target.max_context)
     if target.max_context is not None and max_len > target.max_context:

@@ -253,7 +253,7 @@ def load_library(
     )
     lib.treespec_tree_attention_bf16.restype = ctypes.c_int
     lib.treespec_decoder_bf16.argtypes = (
-        [ctypes.c_void_p] * 3
+        [ctypes.c_void_p] * 4
         + [ctypes.c_int64] * 7
         + [ctypes.c_float] * 2
         + [ctypes.c_void_p] * 4
@@ -268,13 +268,17 @@ def load_library(
         + [ctypes.c_int64] * 5
         + [ctypes.c_float] * 2
         + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-        + [ctypes.c_void_p] * 4
+        + [ctypes.c_void_p] * 5
         + [ctypes.c_int64] * 3
         + [ctypes.c_void_p] * 11
         + [ctypes.c_int64] * 4
         + [ctypes.c_void_p] * 4
     )
     lib.treespec_draft_tree_bf16.restype = ctypes.c_int
+    lib.treespec_rmsnorm_bf16.argtypes = (
+        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+    )
+    lib.treespec_rmsnorm_bf16.restype = ctypes.c_int
     lib.treespec_set_isa.argtypes = [ctypes.c_int]
     _ROADS.update(_road_table(lib))  # the same table in every build of the sources
     road = _chosen_isa()  # it asked Linux for AMX's tiles where it picks amx
@@ -379,6 +383,19 @@ def linear_many_unchecked(
     return outs
 
 
+def rmsnorm_unchecked(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``hidden`` [..., H] bf16 with ``weight`` [H] bf16, rounded where a bf16 model
+    rounds it, as the fused decoder's norms compute it (its bits). The caller has checked that
+    the kernels are available and both tensors are bf16 CPU tensors of width H."""
+    rows = hidden.contiguous()
+    out = torch.empty_like(rows)
+    size = rows.shape[-1]
+    code = _load()[0].treespec_rmsnorm_bf16(rows.data_ptr(), weight.contiguous().data_ptr(), eps,
+                                            rows.numel() // size, size, out.data_ptr())  # fmt: skip
+    _raise_on_failure(code, f"an RMSNorm over {rows.numel() // size} rows")
+    return out
+
+
 def tree_attention_bf16(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -437,14 +454,16 @@ def decoder_bf16(
     mask: torch.Tensor | None,
     words: int,
     layer_out: ctypes.Array,
+    embeds: torch.Tensor | None = None,
 ) -> None:
     """The fused decoder stack (``treespec_decoder_bf16`` in the C file) over ``hidden`` [T, H]
-    bf16 in place (no final norm when ``final_norm`` is None). Raw pointers: :class:`treespec.target.fused.FusedDecoder` lays out and owns every
+    bf16 in place (no final norm when ``final_norm`` is None); ``embeds`` [T, H] the rows' token
+    embeddings where the table holds an EAGLE-3 layer (its W_EMBED_NORM set). Raw pointers: :class:`treespec.target.fused.FusedDecoder` lays out and owns every
     argument; nothing here checks them beyond the cache's layout."""
     if not (keys.is_contiguous() and values.is_contiguous() and keys.dtype is torch.bfloat16):
         raise ValueError(f"the fused decoder needs contiguous bf16 caches, got {keys.dtype}")
     code = _load()[0].treespec_decoder_bf16(
-        hidden.data_ptr(), table, None if final_norm is None else final_norm.data_ptr(), num_layers, num_rows, hidden_size, intermediate_size,
+        hidden.data_ptr(), None if embeds is None else embeds.data_ptr(), table, None if final_norm is None else final_norm.data_ptr(), num_layers, num_rows, hidden_size, intermediate_size,
         num_heads, num_kv_heads, head_dim, eps, sm_scale, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
         values.data_ptr(), num_slots, max_len, row_slot.data_ptr(), row_prefix.data_ptr(), row_index.data_ptr(),
         row_new.data_ptr(), None if mask is None else mask.data_ptr(), words, layer_out,
@@ -464,17 +483,18 @@ def draft_tree_bf16(
     catch_up: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], float]:
     """One EAGLE-2 tree per request in one call (``treespec_draft_tree_bf16`` in
-    ``draft_tree.c``), drafted by an EAGLE-1 head or a draft model. ``stack``: (embeddings
-    [vocab, H], fc weight [H, 2H] or None (a draft model), fc bias or None, the layers' pointer
+    ``draft_tree.c``), drafted by an EAGLE-1 or EAGLE-3 head or a draft model. ``stack``:
+    (embeddings [vocab, H], fc weight [H, 2H] (EAGLE-1), [H, 3H] (EAGLE-3, whose layer's table
+    entry has its embedding norm) or None (a draft model), fc bias or None, the layers' pointer
     table, the number of layers, the final norm or None, (hidden, MLP width, query heads, KV
-    heads, head dim), eps, sm_scale); ``readout``: (weight [V, H], column ids [V] long or None),
-    read out in fp32; ``cos``, ``sin`` [R, D] rotary rows; ``rows``: per request
+    heads, head dim), eps, sm_scale); ``readout``: (weight [V, H], column ids [V] long or None,
+    a norm [H] the rows go through first or None (EAGLE-3's)), read out in fp32; ``cos``, ``sin`` [R, D] rotary rows; ``rows``: per request
     its cache slot, committed length, the rotary row of its first level (level s reads row
     first + s - 1), root token (long), then the root feature [B, H] bf16 (an EAGLE head's, read
     out here) or None, and the root logits [B, V] fp32 (a draft model's), or [B, heads, V]
     (Medusa's: nothing runs, head s scores depth s; the stack, read-out weight, rotary rows and
     caches may be None), or None; ``shape``: (top_k, depth, num_nodes). ``catch_up``: (tokens
-    [C] long, an EAGLE head's target features [C, H] bf16 or None, per request its count >= 1 and
+    [C] long, an EAGLE head's target features [C, H] (EAGLE-3: [C, 3H]) bf16 or None, per request its count >= 1 and
     the rotary row of its first catch-up row, long): run first as each request's chain past its
     committed length (K/V written there, for the caller to commit), the roots taken from its last
     rows (the root feature and logits in ``rows`` are then None) and the levels drafted past it.
@@ -482,7 +502,7 @@ def draft_tree_bf16(
     the catch-up's seconds). Raw pointers: :func:`treespec.target.fused.draft_tree` lays out and
     checks every argument."""
     embed, fc_weight, fc_bias, table, num_layers, final_norm, dims, eps, sm_scale = stack
-    weight, column_ids = readout
+    weight, column_ids, readout_norm = readout
     slots, committed, first_row, roots, root_h, root_logits = rows
     heads = root_logits.shape[1] if root_logits is not None and root_logits.dim() == 3 else 0  # Medusa
     catch_tokens, catch_features, catch_counts, catch_row = (None,) * 4 if catch_up is None else catch_up
@@ -500,7 +520,7 @@ def draft_tree_bf16(
 
     code = _load()[0].treespec_draft_tree_bf16(
         pointer(embed), pointer(fc_weight), pointer(fc_bias), table, num_layers, pointer(final_norm), *dims,
-        eps, sm_scale, pointer(weight), vocab, pointer(column_ids), pointer(cos), pointer(sin),
+        eps, sm_scale, pointer(weight), vocab, pointer(column_ids), pointer(readout_norm), pointer(cos), pointer(sin),
         pointer(keys), pointer(values), *cache_sizes, batch, slots.data_ptr(), committed.data_ptr(),
         first_row.data_ptr(), roots.data_ptr(), pointer(root_h), pointer(root_logits), pointer(catch_tokens),
         pointer(catch_features), pointer(catch_counts), pointer(catch_row), ctypes.addressof(seconds), heads,

@@ -13,6 +13,7 @@
  * barrier between phases, instead of a parallel region (and a Python call) per operator.
  *
  * hidden   [T, H] bf16: the embeddings in, the final normed rows out
+ * embeds   [T, H] bf16: the rows' token embeddings, read by an EAGLE-3 layer only (else NULL)
  * weights  per layer, W_COUNT pointers (enum below): bf16 matrices in nn.Linear layout and bf16
  *          norm weights; the q/k/v biases fp32 (exact widenings) or NULL
  * cos, sin [T, D] bf16 rotary tables of each row's position (the model's own, as HF casts them)
@@ -20,19 +21,25 @@
  *          row row_slot[t] and attends as treespec_tree_attention_bf16 does
  * layer_out  [layers] pointers, each [T, H] bf16 or NULL: the residual stream after layer i
  * A NULL input norm (W_IN_NORM) feeds the layer its rows unnormed, and a NULL final_norm leaves
- * the last residual stream as it is: an EAGLE-1 head's layer, which has neither. */
-enum { W_IN_NORM, W_Q, W_K, W_V, W_O, W_POST_NORM, W_GATE, W_UP, W_DOWN, W_Q_BIAS, W_K_BIAS, W_V_BIAS, W_COUNT };
+ * the last residual stream as it is: an EAGLE-1 head's layer, which has neither.
+ * An EAGLE-3 head's layer has W_EMBED_NORM (NULL in every other layer): its projections read
+ * [RMSNorm(embeds) with W_EMBED_NORM; RMSNorm(h) with W_IN_NORM], 2H wide, with embeds [T, H] the
+ * rows' token embeddings, and h stays the residual. */
+enum { W_IN_NORM, W_Q, W_K, W_V, W_O, W_POST_NORM, W_GATE, W_UP, W_DOWN, W_Q_BIAS, W_K_BIAS, W_V_BIAS, W_EMBED_NORM,
+       W_COUNT };
 
 /* Rows r0..r1 of h [., H] bf16: RMSNorm with weight w, into out_f (fp32 widenings of the bf16
- * result, what the next linear reads) and, when out_b, the bf16 rows themselves. */
+ * result, what the next linear reads) and, when out_b, the bf16 rows themselves; out row r at
+ * r * ld. */
 static void rmsnorm_rows(const uint16_t *h, const uint16_t *w, float eps, int64_t r0, int64_t r1, int64_t H,
-                         float *out_f, uint16_t *out_b) {
+                         int64_t ld, float *out_f, uint16_t *out_b) {
     const int64_t H8 = H & ~(int64_t)7;
     if (!w) { /* no norm (an EAGLE-1 head's layer): the rows as they are */
-        for (int64_t e = r0 * H; e < r1 * H; e++) {
-            out_f[e] = widen_one(h[e]);
-            if (out_b) out_b[e] = h[e];
-        }
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t k = 0; k < H; k++) {
+                out_f[r * ld + k] = widen_one(h[r * H + k]);
+                if (out_b) out_b[r * ld + k] = h[r * H + k];
+            }
         return;
     }
     for (int64_t r = r0; r < r1; r++) {
@@ -48,10 +55,21 @@ static void rmsnorm_rows(const uint16_t *h, const uint16_t *w, float eps, int64_
         for (int64_t k = 0; k < H; k++) {
             const uint16_t normed = round_bf16(widen_one(row[k]) * inv);
             const uint16_t scaled = round_bf16(widen_one(w[k]) * widen_one(normed));
-            out_f[r * H + k] = widen_one(scaled);
-            if (out_b) out_b[r * H + k] = scaled;
+            out_f[r * ld + k] = widen_one(scaled);
+            if (out_b) out_b[r * ld + k] = scaled;
         }
     }
+}
+
+/* treespec_rmsnorm_bf16: out [T, H] = RMSNorm of h [T, H] with weight w, the bits the stack's
+ * norms give (an EAGLE-3 head's read-out norm on the level-by-level path). Returns 0 or
+ * TREESPEC_NO_MEMORY. */
+int treespec_rmsnorm_bf16(const uint16_t *h, const uint16_t *w, float eps, int64_t T, int64_t H, uint16_t *out) {
+    float *widened = malloc(sizeof(float) * T * H);
+    if (!widened) return TREESPEC_NO_MEMORY;
+    rmsnorm_rows(h, w, eps, 0, T, H, H, widened, out);
+    free(widened);
+    return 0;
 }
 
 static inline uint16_t bf16_mul(uint16_t a, uint16_t b) { return round_bf16(widen_one(a) * widen_one(b)); }
@@ -101,6 +119,7 @@ const char *treespec_phase_name(int i) { return PHASES[i]; }
 typedef struct {
     int64_t T, H, I, Hq, Hkv, D, QD, KD, L, W;
     float eps, sm_scale;
+    const uint16_t *embeds; /* an EAGLE-3 layer's token embeddings [T, H] (NULL: no such layer) */
     const uint16_t *cos, *sin;
     const int64_t *row_slot, *row_prefix, *row_index, *row_new;
     const int32_t *mask;
@@ -122,15 +141,23 @@ typedef struct {
 /* norm: RMSNorm of this thread's rows of h with weight w into x / xb (out: xb, or h itself for
  * the final norm). */
 static void phase_norm(const step_state *st, const step_thread *th, uint16_t *h, const uint16_t *w, uint16_t *out) {
-    rmsnorm_rows(h, w, st->eps, th->r0, th->r1, st->H, st->x, out);
+    rmsnorm_rows(h, w, st->eps, th->r0, th->r1, st->H, st->H, st->x, out);
 }
 
-/* qkv: q, k, v = x Wq, x Wk, x Wv (+ biases) into y. */
+/* norm, an EAGLE-3 layer's: [RMSNorm(embeds) with W_EMBED_NORM; RMSNorm(h) with W_IN_NORM] into x / xb, 2H wide. */
+static void phase_norm_pair(const step_state *st, const step_thread *th, const uint16_t *h, const void *const *lw) {
+    const int64_t H = st->H;
+    rmsnorm_rows(st->embeds, lw[W_EMBED_NORM], st->eps, th->r0, th->r1, H, 2 * H, st->x, st->xb);
+    rmsnorm_rows(h, lw[W_IN_NORM], st->eps, th->r0, th->r1, H, 2 * H, st->x + H, st->xb + H);
+}
+
+/* qkv: q, k, v = x Wq, x Wk, x Wv (+ biases) into y (x 2H wide in an EAGLE-3 layer). */
 static void phase_qkv(const step_state *st, const step_thread *th, const void *const *lw) {
     const uint16_t *w[3] = {lw[W_Q], lw[W_K], lw[W_V]};
     const float *bias[3] = {lw[W_Q_BIAS], lw[W_K_BIAS], lw[W_V_BIAS]};
     float *y[3] = {st->y, st->y + st->T * st->QD, st->y + st->T * (st->QD + st->KD)};
-    linear_share(th->me, th->threads, st->x, st->xb, st->T, st->H, 3, w, bias, y, st->n_qkv, st->g_qkv,
+    const int64_t K = lw[W_EMBED_NORM] ? 2 * st->H : st->H;
+    linear_share(th->me, th->threads, st->x, st->xb, st->T, K, 3, w, bias, y, st->n_qkv, st->g_qkv,
                  th->linear_scratch);
 }
 
@@ -235,14 +262,15 @@ static void phase_down(const step_state *st, const step_thread *th, const void *
                  th->linear_scratch);
 }
 
-int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const uint16_t *final_norm,
+int treespec_decoder_bf16(uint16_t *hidden, const uint16_t *embeds, const void *const *weights, const uint16_t *final_norm,
                            int64_t num_layers, int64_t T, int64_t H, int64_t I, int64_t Hq, int64_t Hkv, int64_t D,
                            float eps, float sm_scale, const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache,
                            uint16_t *v_cache, int64_t S, int64_t L, const int64_t *row_slot,
                            const int64_t *row_prefix, const int64_t *row_index, const int64_t *row_new,
                            const int32_t *mask, int64_t W, uint16_t *const *layer_out) {
     const int64_t QD = Hq * D, KD = Hkv * D, layer_cache = S * Hkv * L * D;
-    const int64_t widest_in = H > I ? (H > QD ? H : QD) : (I > QD ? I : QD);
+    const int64_t in = embeds ? 2 * H : H; /* an EAGLE-3 layer's projections read 2H */
+    const int64_t widest_in = in > I ? (in > QD ? in : QD) : (I > QD ? I : QD);
     const int64_t widest_out = QD + 2 * KD > 2 * I ? QD + 2 * KD : 2 * I;
     float *x = malloc(sizeof(float) * T * widest_in);                      /* the next linear's input */
     float *y = malloc(sizeof(float) * T * (widest_out > H ? widest_out : H)); /* linear outputs */
@@ -256,7 +284,7 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
     attention_scratch *pool = x && xb && y && qb && attn && (xp || !pack) && items ? scratch_pool(L, D, team) : 0;
     if (!pool) goto done; /* nothing computed, nothing left allocated */
     step_state st = {.T = T, .H = H, .I = I, .Hq = Hq, .Hkv = Hkv, .D = D, .QD = QD, .KD = KD, .L = L,
-                     .W = W, .eps = eps, .sm_scale = sm_scale, .cos = cos, .sin = sin, .row_slot = row_slot,
+                     .W = W, .eps = eps, .sm_scale = sm_scale, .embeds = embeds, .cos = cos, .sin = sin, .row_slot = row_slot,
                      .row_prefix = row_prefix, .row_index = row_index, .row_new = row_new, .mask = mask, .x = x,
                      .y = y, .xb = xb, .qb = qb, .attn = attn, .items = items, .cap = cap,
                      .n_qkv = {QD, KD, KD}, .n_gu = {I, I}, .n_h = {H}};
@@ -274,7 +302,10 @@ int treespec_decoder_bf16(uint16_t *hidden, const void *const *weights, const ui
             const void *const *lw = weights + layer * W_COUNT;
             uint16_t *kc = k_cache + layer * layer_cache, *vc = v_cache + layer * layer_cache;
             /* each phase, then a barrier (the next reads what every thread wrote), then its mark */
-            phase_norm(&st, &th, hidden, lw[W_IN_NORM], xb);
+            if (lw[W_EMBED_NORM])
+                phase_norm_pair(&st, &th, hidden, lw);
+            else
+                phase_norm(&st, &th, hidden, lw[W_IN_NORM], xb);
 #pragma omp barrier
             MARK(0);
             phase_qkv(&st, &th, lw);

@@ -83,7 +83,8 @@ static void rows_top_k(const float *logits, int64_t rows, int64_t V, int64_t k, 
 }
 
 /* The catch-up before a tree: each request's counts[b] rows committed since its last tree (an
- * EAGLE head's pairs (token, target feature), a draft model's tokens), run as a causal chain past
+ * EAGLE head's pairs (token, target feature: [H] wide for EAGLE-1, the three layers' [3H] for
+ * EAGLE-3, which fc fuses alone), a draft model's tokens), run as a causal chain past
  * its committed length, their K/V written at committed + j (the caller commits them after the
  * call). Request b's row j reads rotary row first_row[b] + j. The last row of each request gives
  * the root: an EAGLE head's output into root_h [B, H], or a draft model's final normed row read
@@ -105,10 +106,13 @@ static int catch_up(const uint16_t *embed, const uint16_t *fc_w, const uint16_t 
     uint16_t **no_out = calloc(num_layers, sizeof(uint16_t *));
     int code = TREESPEC_NO_MEMORY;
     if ((fc_w && !x_in) || !h || !cos_c || !sin_c || !last || !row || !no_out) goto done;
+    const int eagle3 = layers[W_EMBED_NORM] != 0;
     int64_t *row_slot = row, *row_prefix = row + C, *row_index = row + 2 * C, *row_new = row + 3 * C;
     for (int64_t b = 0, t = 0; b < B; b++)
         for (int64_t j = 0; j < counts[b]; j++, t++) {
-            if (fc_w) { /* EAGLE: [embedding; the target's feature] */
+            if (eagle3) { /* EAGLE-3: the embeddings beside the stack, fc over the features alone */
+                memcpy(x_in + t * H, embed + tokens[t] * H, sizeof(uint16_t) * H);
+            } else if (fc_w) { /* EAGLE-1: [embedding; the target's feature] */
                 memcpy(x_in + t * 2 * H, embed + tokens[t] * H, sizeof(uint16_t) * H);
                 memcpy(x_in + t * 2 * H + H, features + t * H, sizeof(uint16_t) * H);
             } else {
@@ -118,8 +122,9 @@ static int catch_up(const uint16_t *embed, const uint16_t *fc_w, const uint16_t 
             memcpy(sin_c + t * D, sin + (first_row[b] + j) * D, sizeof(uint16_t) * D);
             row_slot[t] = slots[b], row_prefix[t] = committed[b], row_index[t] = j, row_new[t] = counts[b];
         }
-    if ((fc_w && (code = treespec_linear_bf16(x_in, 1, fc_w, fc_b, h, 1, C, H, 2 * H))) ||
-        (code = treespec_decoder_bf16(h, layers, final_norm, num_layers, C, H, I, Hq, Hkv, D, eps, sm_scale, cos_c,
+    if ((eagle3 && (code = treespec_linear_bf16(features, 1, fc_w, fc_b, h, 1, C, H, 3 * H))) ||
+        (fc_w && !eagle3 && (code = treespec_linear_bf16(x_in, 1, fc_w, fc_b, h, 1, C, H, 2 * H))) ||
+        (code = treespec_decoder_bf16(h, eagle3 ? x_in : 0, layers, final_norm, num_layers, C, H, I, Hq, Hkv, D, eps, sm_scale, cos_c,
                                       sin_c, k_cache, v_cache, S, L, row_slot, row_prefix, row_index, row_new, 0, 0,
                                       no_out)))
         goto done;
@@ -133,15 +138,32 @@ done:
     return code;
 }
 
+/* The read-out of rows h [rows, H] into fp32 logits [rows, V]: through RMSNorm with norm first
+ * where it is not NULL (an EAGLE-3 head's own norm, as EagleHead.logits applies it; normed_f and
+ * normed_b hold [rows, H]), then the read-out matrix. */
+static int read_out(const uint16_t *h, const uint16_t *norm, float eps, int64_t rows, int64_t H,
+                    const uint16_t *readout, int64_t V, float *logits, float *normed_f, uint16_t *normed_b) {
+    if (norm) {
+        rmsnorm_rows(h, norm, eps, 0, rows, H, H, normed_f, normed_b);
+        h = normed_b;
+    }
+    return treespec_linear_bf16(h, 1, readout, 0, logits, 0, rows, V, H);
+}
+
 /* treespec_draft_tree_bf16: B requests' trees of num_nodes drafted nodes each, drafted by an
- * EAGLE-1 head (fc_w not NULL) or by a draft model (fc_w NULL).
+ * EAGLE-1 head (fc_w not NULL), an EAGLE-3 head (its layer has W_EMBED_NORM) or a draft model
+ * (fc_w NULL).
  *
  * The drafter: embed [vocab, H] (the target's input embeddings, which both read); an EAGLE-1
  * head's fc [H, 2H] and its bias (or NULL) over [embedding; feature]; the decoder stack's
- * num_layers * W_COUNT pointers (as treespec_decoder_bf16 reads them: an EAGLE layer has no input
+ * num_layers * W_COUNT pointers (as treespec_decoder_bf16 reads them: an EAGLE-1 layer has no input
  * norm) and its final norm (NULL: none, EAGLE), the sizes (H, I, Hq, Hkv, D), eps and sm_scale;
- * the read-out [V, H] (an LM head, or the rows of a reduced draft vocabulary), column_ids [V]
- * (the token of each column; NULL: column c is token c), read out in fp32. cos, sin [R, D]:
+ * the read-out [V, H] (an LM head, the rows of a reduced draft vocabulary, or an EAGLE-3 head's
+ * own), column_ids [V] (the token of each column; NULL: column c is token c), read out in fp32,
+ * through readout_norm first where it is not NULL (an EAGLE-3 head's norm: its layer's output is
+ * the next level's feature, the normed rows only what it reads out). An EAGLE-3 head's fc
+ * [H, 3H] fuses the target's three layers in the catch-up; its levels feed each node its
+ * parent's output as the residual and the node's embedding beside it. cos, sin [R, D]:
  * rotary rows, level s of request b (at position committed + s - 1) reading row
  * first_row[b] + s - 1. The drafter's KV cache [num_layers, S, Hkv, L, D], each request's slot and
  * committed length, its root token and either root_logits [B, V] fp32 (a draft model's, from its
@@ -165,7 +187,7 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
                              const void *const *layers, int64_t num_layers, const uint16_t *final_norm, int64_t H,
                              int64_t I, int64_t Hq, int64_t Hkv, int64_t D, float eps, float sm_scale,
                              const uint16_t *readout, int64_t V, const int64_t *column_ids,
-                             const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache, int64_t S,
+                             const uint16_t *readout_norm, const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache, int64_t S,
                              int64_t L, int64_t B, const int64_t *slots, const int64_t *committed,
                              const int64_t *first_row, const int64_t *roots, const uint16_t *root_h,
                              const float *root_logits, const int64_t *catch_tokens, const uint16_t *catch_features,
@@ -182,7 +204,8 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
                          sizeof(int64_t) * (4 * T + rows_out * k + 3 * B * P + 5 * T + P + B * k) +
                          sizeof(float) * (rows_out * k + B * P + T + P + B * k) + sizeof(int32_t) * (T * RW) +
                          sizeof(uint32_t) * (B * run * RW + kept * W) + sizeof(uint16_t) * B * H +
-                         sizeof(float) * B * V + sizeof(int64_t) * B + 64 * 35; /* each TAKE aligns to 64 bytes */
+                         sizeof(float) * B * V + sizeof(int64_t) * B +
+                         (sizeof(float) + sizeof(uint16_t)) * rows_out * H + 64 * 40; /* each TAKE aligns to 64 bytes */
     char *block = malloc(bytes), *next = block;
     if (!block) return TREESPEC_NO_MEMORY;
 #define TAKE(type, count) ((type *)(next = (char *)(((uintptr_t)(next) + 63) & ~(uintptr_t)63) + sizeof(type) * (count)) - (count))
@@ -203,7 +226,10 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     uint16_t *caught_h = TAKE(uint16_t, B * H);
     float *caught_logits = TAKE(float, B * V);
     int64_t *caught_length = TAKE(int64_t, B);
+    float *normed_f = TAKE(float, rows_out * H);
+    uint16_t *normed_b = TAKE(uint16_t, rows_out * H);
 #undef TAKE
+    const int eagle3 = num_layers > 0 && layers[W_EMBED_NORM] != 0;
     memset(no_out, 0, sizeof(void *) * num_layers);
 #define COLUMN(c) (column_ids ? column_ids[c] : (c))
 
@@ -224,7 +250,7 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     /* the root's children: the first frontier */
     if (root_logits) /* a draft model's [B, V], or Medusa's heads [B, heads, V] (head 0 for the root) */
         for (int64_t b = 0; b < B; b++) memcpy(logits + b * V, root_logits + b * (heads ? heads : 1) * V, sizeof(float) * V);
-    else if ((code = treespec_linear_bf16(root_h, 1, readout, 0, logits, 0, B, V, H)))
+    else if ((code = read_out(root_h, readout_norm, eps, B, H, readout, V, logits, normed_f, normed_b)))
         goto done;
     rows_top_k(logits, B, V, k, child, child_lp);
     for (int64_t b = 0; b < B; b++) {
@@ -257,9 +283,12 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
                 if (!(f_score[f] > bar)) continue;
                 row_of[f] = t, rows++;
                 if (heads) continue; /* Medusa: nothing runs, head s scores every node of the level */
-                if (fc_w) { /* EAGLE: [embedding; the parent's output] */
+                const uint16_t *feature = !fc_w ? 0 : s == 1 ? root_h + b * H : h_prev + prev_row_of[b * k + f_slot[f]] * H;
+                if (eagle3) { /* EAGLE-3: the parent's output the residual, the embedding beside it */
+                    memcpy(x_in + t * H, embed + f_tok[f] * H, sizeof(uint16_t) * H);
+                    memcpy(h + t * H, feature, sizeof(uint16_t) * H);
+                } else if (fc_w) { /* EAGLE-1: [embedding; the parent's output] */
                     memcpy(x_in + t * 2 * H, embed + f_tok[f] * H, sizeof(uint16_t) * H);
-                    const uint16_t *feature = s == 1 ? root_h + b * H : h_prev + prev_row_of[b * k + f_slot[f]] * H;
                     memcpy(x_in + t * 2 * H + H, feature, sizeof(uint16_t) * H);
                 } else { /* a draft model: the embedding; its ancestors are in its cache */
                     memcpy(h + t * H, embed + f_tok[f] * H, sizeof(uint16_t) * H);
@@ -285,11 +314,11 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
                     memcpy(child + row_of[f] * k, head_child + f / k * k, sizeof(int64_t) * k);
                     memcpy(child_lp + row_of[f] * k, head_lp + f / k * k, sizeof(float) * k);
                 }
-        } else if ((fc_w && (code = treespec_linear_bf16(x_in, 1, fc_w, fc_b, h, 1, rows, H, 2 * H))) ||
-            (code = treespec_decoder_bf16(h, layers, final_norm, num_layers, rows, H, I, Hq, Hkv, D, eps, sm_scale,
-                                          cos_l, sin_l, k_cache, v_cache, S, L, row_slot, row_prefix, row_index,
-                                          row_new, level_mask, RW, no_out)) ||
-            (code = treespec_linear_bf16(h, 1, readout, 0, logits, 0, rows, V, H)))
+        } else if ((fc_w && !eagle3 && (code = treespec_linear_bf16(x_in, 1, fc_w, fc_b, h, 1, rows, H, 2 * H))) ||
+            (code = treespec_decoder_bf16(h, eagle3 ? x_in : 0, layers, final_norm, num_layers, rows, H, I, Hq, Hkv, D,
+                                          eps, sm_scale, cos_l, sin_l, k_cache, v_cache, S, L, row_slot, row_prefix,
+                                          row_index, row_new, level_mask, RW, no_out)) ||
+            (code = read_out(h, readout_norm, eps, rows, H, readout, V, logits, normed_f, normed_b)))
             goto done; /* out of memory: nothing committed, the tree not written */
         else
             rows_top_k(logits, rows, V, k, child, child_lp);

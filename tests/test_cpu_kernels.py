@@ -410,7 +410,7 @@ def test_a_kernel_that_cannot_allocate_its_buffers_raises_instead_of_aborting(ro
     # the fused decoder over 2^52 rows: its buffers fail before any layer runs or any row is read
     p = x.data_ptr()
     outs = (ctypes.c_void_p * 1)()
-    code = lib.treespec_decoder_bf16(p, None, None, 1, rows, 8, 8, 1, 1, 8, 1e-5, 0.5, p, p, p, p, 1, 8,
+    code = lib.treespec_decoder_bf16(p, None, None, None, 1, rows, 8, 8, 1, 1, 8, 1e-5, 0.5, p, p, p, p, 1, 8,
                                      p, p, p, p, None, 0, outs)  # fmt: skip
     assert code == cpu_kernels.NO_MEMORY
     assert torch.equal(cpu_kernels.linear_bf16(x, weight), torch.zeros(4, 4, dtype=torch.bfloat16))

@@ -6,6 +6,7 @@ head, backend or setting it cannot serve falls back with its reason."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -15,6 +16,7 @@ from test_eagle import random_head
 from test_fused import needs_kernels, road  # noqa: F401 (the fixture: each instruction road)
 
 import treespec
+from treespec.heads.eagle import EagleHead
 from treespec.proposers import DraftModelProposer, EagleProposer, HybridProposer, NgramProposer
 from treespec.proposers.base import ProposalRequest
 from treespec.sampling import SamplingParams
@@ -23,10 +25,12 @@ from treespec.tree import NO_PARENT, extend_ancestors
 PROMPTS = [list(range(5, 17)), [20, 21, 22, 23, 24], list(range(30, 52))]
 
 
-def bf16_pair(seed: int = 2, std: float = 0.05):
-    """A tiny bf16 Llama target and a random bf16 EAGLE-1 head for it."""
+def bf16_pair(seed: int = 2, std: float = 0.05, eagle3: bool = False):
+    """A tiny bf16 Llama target and a random bf16 EAGLE-1 head for it (or an EAGLE-3 head with
+    a 64-token draft vocabulary)."""
     model = build("llama", seed=seed).to(torch.bfloat16)
-    return model, random_head(model, std=std, seed=seed).to(torch.bfloat16)
+    head = random_head(model, std=std, seed=seed, eagle3=eagle3, draft_vocab=64 if eagle3 else None)
+    return model, head.to(torch.bfloat16)
 
 
 def requests_of(contexts: list[list[int]]) -> list[ProposalRequest]:
@@ -34,17 +38,21 @@ def requests_of(contexts: list[list[int]]) -> list[ProposalRequest]:
 
 
 @needs_kernels
-def test_the_fused_eagle_layer_agrees_with_the_heads_modules(road):  # noqa: F811
+@pytest.mark.parametrize("eagle3", [False, True])
+def test_the_fused_eagle_layer_agrees_with_the_heads_modules(eagle3, road):  # noqa: F811
     """Prefill pairs, a catch-up chain and two tree levels (batch of 2), through the C layer and
-    through the head's modules: the head's cache and outputs agree to bf16 rounding (weights
-    large enough that attention moves the outputs: a wrong mask or position shows)."""
-    model, head = bf16_pair(std=0.2)
+    through the head's modules: the head's cache, outputs and read-out log-probs agree to bf16
+    rounding (weights large enough that attention moves the outputs: a wrong mask or position
+    shows). EAGLE-3: the target's three layers fused by fc, the layer over [embedding; feature]
+    with its two norms, the read-out through the head's own norm and draft vocabulary."""
+    model, head = bf16_pair(std=0.2, eagle3=eagle3)
     fused = EagleProposer(head, model, top_k=3, depth=3, total_tokens=7, fused=True)
     modules = EagleProposer(head, model, top_k=3, depth=3, total_tokens=7, fused=False)
     assert (fused.path, modules.path) == ("native tree", "modules")
     torch.manual_seed(0)
     hidden_size = model.config.hidden_size
-    features = [torch.randn(n, hidden_size).to(torch.bfloat16) for n in (9, 6, 2, 3)]
+    width = head.config.feature_size
+    features = [torch.randn(n, width).to(torch.bfloat16) for n in (9, 6, 2, 3)]
     outs = []
     for p in (fused, modules):
         p.observe_prefill(0, list(range(10, 19)), features[0])
@@ -58,22 +66,25 @@ def test_the_fused_eagle_layer_agrees_with_the_heads_modules(road):  # noqa: F81
         parents = torch.tensor([[0, 0, 2], [1, 2, 2]])
         level_2 = p._run_level(slots, torch.tensor([[7, 8, 9], [10, 11, 12]]), level_1.gather(1, parents[..., None].expand(-1, -1, hidden_size)),
                                drafted, parents, 2)  # fmt: skip
+        log_probs = p._log_probs(level_2.flatten(0, 1), widen=False)
         outs.append(
-            (roots, level_1, level_2, p.cache.keys.clone(), p.cache.values.clone(), list(p.cache.lengths))
-        )
-    for got, want in zip(outs[0][:5], outs[1][:5], strict=True):
+            (roots, level_1, level_2, p.cache.keys.clone(), p.cache.values.clone(), log_probs, list(p.cache.lengths))
+        )  # fmt: skip
+    for got, want in zip(outs[0][:6], outs[1][:6], strict=True):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-    assert outs[0][5] == outs[1][5] == [11, 9] + [0] * (len(outs[0][5]) - 2)
+    assert outs[0][5].shape[-1] == (64 if eagle3 else model.config.vocab_size)
+    assert outs[0][6] == outs[1][6] == [11, 9] + [0] * (len(outs[0][6]) - 2)
     assert outs[0][1].abs().sum() > 0 and outs[0][3].abs().sum() > 0
 
 
 @needs_kernels
 @pytest.mark.parametrize("readout", [None, range(64)])
 def test_fused_drafting_keeps_plain_decodings_tokens(readout, road):  # noqa: F811
-    """EAGLE and the draft model (each tree in one C call, and level by level) and the hybrid,
-    each at batch 1 and 3 with chunked prefill: the tokens of plain decoding on the same fused
-    target."""
+    """EAGLE-1, EAGLE-3 and the draft model (each tree in one C call, and level by level) and the
+    hybrid, each at batch 1 and 3 with chunked prefill: the tokens of plain decoding on the same
+    fused target."""
     model, head = bf16_pair(seed=5)
+    eagle3 = bf16_pair(seed=5, eagle3=True)[1]
     draft = build("llama", seed=6, num_hidden_layers=2).to(torch.bfloat16)
     want = treespec.generate(model, PROMPTS, max_new_tokens=14).sequences
     makers = {
@@ -87,11 +98,15 @@ def test_fused_drafting_keeps_plain_decodings_tokens(readout, road):  # noqa: F8
         "draft levels": lambda: DraftModelProposer(
             draft, target_model=model, dynamic=(3, 4, 9), readout_ids=readout, native=False
         ),
+        "eagle3": lambda: EagleProposer(eagle3, model, top_k=3, depth=4, total_tokens=9),
+        "eagle3 levels": lambda: EagleProposer(eagle3, model, top_k=3, depth=4, total_tokens=9, native=False),
         "hybrid": lambda: HybridProposer(
             EagleProposer(head, model, top_k=2, depth=3, total_tokens=5),
             NgramProposer(max_depth=3, max_nodes=3),
         ),  # fmt: skip
     }
+    if readout is not None:  # an EAGLE-3 head reads out through its own draft vocabulary
+        del makers["eagle3"], makers["eagle3 levels"]
     for name, make in makers.items():
         for batch in (1, 3):
             proposer = make()
@@ -128,15 +143,18 @@ def test_a_draft_models_newest_level_alone_has_the_bits_of_rerunning_every_level
 @needs_kernels
 def test_what_the_fused_drafting_cannot_serve_drafts_through_the_modules_with_its_reason(monkeypatch):
     model = build("llama", seed=3).to(torch.bfloat16)
-    eagle3 = random_head(model, eagle3=True, draft_vocab=64).to(torch.bfloat16)
-    with pytest.warns(RuntimeWarning, match="through its modules, not the fused layer: an EAGLE-3 layer"):
-        proposer = EagleProposer(eagle3, model, top_k=2, depth=3, total_tokens=5)
-    assert proposer.path == "modules" and "EAGLE-3" in proposer.path_reason
+    gelu = EagleHead(dataclasses.replace(random_head(model).config, hidden_act="gelu"))
+    gelu = gelu.to(torch.bfloat16).eval()
+    with pytest.warns(
+        RuntimeWarning, match="through its modules, not the fused layer: the fused decoder's MLP"
+    ):
+        proposer = EagleProposer(gelu, model, top_k=2, depth=3, total_tokens=5)
+    assert proposer.path == "modules" and "'gelu'" in proposer.path_reason
     assert proposer.drafting_paths() == {"eagle head": f"modules ({proposer.path_reason})"}
     want = treespec.generate(model, PROMPTS[:2], max_new_tokens=10).sequences
     assert treespec.generate(model, PROMPTS[:2], max_new_tokens=10, proposer=proposer).sequences == want
-    with pytest.raises(ValueError, match="fused=True: an EAGLE-3 layer attends over"):
-        EagleProposer(eagle3, model, top_k=2, depth=3, total_tokens=5, fused=True)
+    with pytest.raises(ValueError, match="fused=True: the fused decoder's MLP is SiLU-gated"):
+        EagleProposer(gelu, model, top_k=2, depth=3, total_tokens=5, fused=True)
     head = random_head(model).to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # asked for: no warning
@@ -200,15 +218,18 @@ def committed_kv(cache) -> list[torch.Tensor]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("readout", [None, range(64)])
+@pytest.mark.parametrize("readout", [None, range(64), "eagle3"])
 def test_a_native_tree_is_the_tree_the_fused_levels_build(readout, road):  # noqa: F811
     """One C call per tree (the pending pairs' catch-up, levels, top-k, scores, rerank inside)
     against the fused layer's catch-up and levels one call each with the tree built in PyTorch:
     the same tokens, parents, depths and masks for every shape, two requests of different
-    lengths, and the same committed K/V in the head's cache."""
-    model, head = bf16_pair(seed=3, std=0.2)
+    lengths, and the same committed K/V in the head's cache. EAGLE-1 with the whole read-out and
+    a reduced one; EAGLE-3 with its own read-out over a draft vocabulary."""
+    eagle3 = readout == "eagle3"
+    model, head = bf16_pair(seed=3, std=0.2, eagle3=eagle3)
+    readout = None if eagle3 else readout
     torch.manual_seed(0)
-    features = [torch.randn(n, model.config.hidden_size).to(torch.bfloat16) for n in (13, 8)]
+    features = [torch.randn(n, head.config.feature_size).to(torch.bfloat16) for n in (13, 8)]
     for top_k, depth, nodes in [(3, 4, 9), (2, 3, 5), (4, 5, 20), (3, 1, 3), (8, 6, 31)]:
         trees, lengths, caches = [], [], []
         for native in (True, False):

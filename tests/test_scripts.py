@@ -320,23 +320,29 @@ def test_serve_check_against_vllm(tmp_path, monkeypatch):
 
 
 def test_bench_head_cost_times_each_head_kind_at_both_budgets(tmp_path, monkeypatch):
-    """scripts/bench_head_cost.py on a tiny model: a row per head variant and budget, with the
-    propose and forward times of full-size trees (random heads)."""
+    """scripts/bench_head_cost.py on a tiny bf16 model: a row per head variant and budget, with the
+    propose and forward times of full-size trees (random heads) and the path each drafted on."""
     from test_bench import tiny_model_folder
 
     tiny_model_folder(tmp_path)
     out = tmp_path / "cost.json"
     run_suite("head-cost", ["--model", str(tmp_path / "model"), "--new", "6", "--repeats", "1",
-                            "--dtype", "fp32", "--out", str(out)])  # fmt: skip
+                            "--dtype", "bf16", "--out", str(out)])  # fmt: skip
     report = json.loads(out.read_text())
     assert {(r["head"], r["total_tokens"]) for r in report["rows"]} == {
         (head, nodes)
-        for head in ("eagle1-full-vocab", "eagle1-vocab8192", "eagle3-vocab8192")
+        for head in ("eagle1-full-vocab", "eagle1-vocab8192", "eagle3-vocab8192", "eagle3-vocab8192-modules")
         for nodes in (31, 8)
     }
     assert all(r["propose_ms"] > 0 and r["forward_ms"] > 0 for r in report["rows"])
     assert report["single_token_forward_ms"] > 0
     from treespec.kernels import cpu_kernels
+
+    native = "native tree" if cpu_kernels.available() else "modules"
+    assert {r["head"]: r["path"] for r in report["rows"]} == {
+        "eagle1-full-vocab": native, "eagle1-vocab8192": native, "eagle3-vocab8192": native,
+        "eagle3-vocab8192-modules": "modules",
+    }  # fmt: skip
 
     if cpu_kernels.available():  # each phase of a pass, per road and row count, beside its floor
         phases = report["phases"]

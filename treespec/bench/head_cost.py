@@ -1,7 +1,8 @@
 """What drafting with an EAGLE head costs per step on the default model, beside the target's
 forward over the tree it drafted and a single-token step: EAGLE-1 with a full and with the
-reduced 8,192-token read-out it is trained with, EAGLE-3 with its own 8,192-token one, at the
-31 and 8 drafted nodes the heads are measured at (treespec bench --budget fixed / 8).
+reduced 8,192-token read-out it is trained with, EAGLE-3 with its own 8,192-token one (on its
+default path and through its modules), at the 31 and 8 drafted nodes the heads are measured at
+(treespec bench --budget fixed / 8). Each row names the path the head drafted on.
 
     treespec bench head-cost [--model NAME] [--dtype bf16] [--new 24] [--repeats 3] [--out FILE.json]
 
@@ -33,10 +34,13 @@ from treespec.models import DEFAULT_MODEL, DTYPES, load
 from treespec.prompts import DEFAULT_PROMPTS, encode_prompts
 from treespec.proposers import EagleProposer
 
+# name -> (the head's config options, the proposer's options): each head on its default path (one
+# C call per tree where the CPU kernels serve it), and EAGLE-3 through its modules beside it
 VARIANTS = {
-    "eagle1-full-vocab": dict(),
-    "eagle1-vocab8192": dict(draft_vocab_size=8192),
-    "eagle3-vocab8192": dict(eagle3=True, draft_vocab_size=8192),
+    "eagle1-full-vocab": (dict(), dict()),
+    "eagle1-vocab8192": (dict(draft_vocab_size=8192), dict()),
+    "eagle3-vocab8192": (dict(eagle3=True, draft_vocab_size=8192), dict()),
+    "eagle3-vocab8192-modules": (dict(eagle3=True, draft_vocab_size=8192), dict(fused=False)),
 }
 BUDGETS = [(8, 6, 31), (8, 6, 8)]  # (top_k, depth, total_tokens), as treespec bench drafts
 
@@ -62,17 +66,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     vocab = model.config.vocab_size
     prompt = encode_prompts(tokenizer, DEFAULT_PROMPTS[:1])
     rows = []
-    for name, options in VARIANTS.items() if not args.phases_only else ():
+    for name, (options, proposer_options) in VARIANTS.items() if not args.phases_only else ():
         if options.get("draft_vocab_size", 0) > vocab:
             options = options | {"draft_vocab_size": vocab // 2}  # a small model's reduced read-out
         head = EagleHead(EagleConfig.from_target(model.config, **options)).to(dtype)
         for p in head.parameters():
             torch.nn.init.normal_(p, std=0.02)
         for top_k, depth, total in BUDGETS:
-            proposer = EagleProposer(head, model, top_k=top_k, depth=depth, total_tokens=total)
+            proposer = EagleProposer(head, model, top_k=top_k, depth=depth, total_tokens=total,
+                                     **proposer_options)  # fmt: skip
             runs = [generate(model, prompt, max_new_tokens=args.new, proposer=proposer).stats
                     for _ in range(args.repeats)]  # fmt: skip
-            row = dict(head=name, top_k=top_k, depth=depth, total_tokens=total,
+            row = dict(head=name, path=proposer.path, top_k=top_k, depth=depth, total_tokens=total,
                        propose_ms=statistics.median(1e3 * s.propose_s / s.steps for s in runs),
                        forward_ms=statistics.median(1e3 * s.forward_s / s.steps for s in runs))  # fmt: skip
             rows.append(row)

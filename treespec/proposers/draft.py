@@ -226,7 +226,11 @@ class DraftModelProposer(Proposer):
         the uncached context run first in the same call and committed. Returns the tree and the
         catch-up's seconds."""
         fused = self.draft.fused
-        readout = (fused.lm_head, None) if self.readout is None else (self.readout.weight, self.readout_ids)
+        readout = (
+            (fused.lm_head, None, None)
+            if self.readout is None
+            else (self.readout.weight, self.readout_ids, None)
+        )
         slots, chunks = self._uncached(requests)
         flat, seconds = draft_tree(
             fused.tree_stack(), fused.rotary, readout, self.cache, (slots, [r.tokens[-1] for r in requests]),

@@ -35,7 +35,6 @@ from transformers import PreTrainedModel
 
 from treespec.heads.eagle import EagleHead
 from treespec.heads.fit import TargetShape
-from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import cpu_rows, resolve_backend
 from treespec.presets import EAGLE_TREE
 from treespec.processors import process_draft
@@ -137,7 +136,7 @@ class EagleProposer(Proposer):
         self._set_readout(head, target_model, readout_ids, backend)
         self.backend = resolve_backend(attention_backend, weight.device)
         self.fused, self.path_reason = _fused_layer(
-            head, self.lm_head.weight, fused, backend, attention_backend
+            head, self._readout_weight, fused, backend, attention_backend
         )
         refusal = "the head does not run through the fused layer" if self.fused is None else None
         self.native, native_reason = choose_native(native, refusal or native_refusal(self.embed.weight))
@@ -173,6 +172,8 @@ class EagleProposer(Proposer):
         self._column_ids = (
             self.readout_ids if self.readout_ids is not None else (head.target_ids() if own else None)
         )
+        # what the fused path reads out through (EAGLE-3: the head's own, after its norm)
+        self._readout_weight = head.lm_head.weight if config.eagle3 else self.lm_head.weight
 
     def drafting_paths(self) -> dict[str, str]:
         return {"eagle head": describe_path(self.path, self.path_reason)}
@@ -255,8 +256,8 @@ class EagleProposer(Proposer):
         """Log-probabilities over the read-out's columns [T, V'] (their ids: ``_column_ids``),
         or with ``widen`` over the target's vocabulary [T, V] (-inf outside a reduced read-out),
         what the requests' processors read."""
-        if self.fused is not None:  # an EAGLE-1 read-out: the kernel, fp32 sums as the native tree reads them
-            logits = cpu_kernels.linear_unchecked(h, self.lm_head.weight, None, fp32_out=True)
+        if self.fused is not None:  # the kernel, fp32 sums as the native tree reads them
+            logits = self.fused.read_out(h, self._readout_weight)
         elif self.readout_ids is not None:
             logits = self.lm_head(h)
         else:
@@ -304,7 +305,7 @@ class EagleProposer(Proposer):
         catch-up's seconds."""
         num_nodes = min(self.total_tokens, dynamic_capacity(self.top_k, depth))
         flat, seconds = self.fused.draft_tree(
-            self.embed.weight, self.lm_head.weight, self._column_ids, self.cache,
+            self.embed.weight, self._readout_weight, self._column_ids, self.cache,
             ([self._slot[r.request_id] for r in requests], [r.tokens[-1] for r in requests]),
             root_features, (self.top_k, depth, num_nodes), catch_up,
         )  # fmt: skip
@@ -443,7 +444,7 @@ class EagleProposer(Proposer):
         rows = cpu_rows(cu, torch.tensor(slots), prefix, len(tokens))
         embeds = self.embed.weight[torch.tensor(tokens)]
         return self.fused.forward(
-            embeds, features.to(embeds.dtype), rows[1] + rows[2], self.cache, rows, None
+            embeds, features.to(embeds.dtype), rows[1] + rows[2], self.cache, rows, None, from_target=True
         )
 
 

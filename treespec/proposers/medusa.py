@@ -149,7 +149,7 @@ class MedusaProposer(Proposer):
         zeros = torch.zeros(len(roots), dtype=torch.long)
         stack = (None, None, None, None, 0, None, (0, 0, 0, 0, 0), 0.0, 0.0)  # nothing runs
         flat, _ = cpu_kernels.draft_tree_bf16(
-            stack, (None, self.readout_ids), None, None, None, None,
+            stack, (None, self.readout_ids, None), None, None, None, None,
             (zeros, zeros, zeros, roots.long(), None, logits.float()), (top_k, depth, num_nodes),
         )  # fmt: skip
         return TokenTree.equal_sized(flat, len(roots), depth, top_k)

@@ -38,7 +38,11 @@ FAMILIES = {
     "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2RMSNorm"),
     "MistralForCausalLM": ("MistralDecoderLayer", "MistralRMSNorm"),
 }
-_SLOTS = ("input_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down", "q_bias", "k_bias", "v_bias")
+# a layer's entries in the C stack's pointer table (decoder.c's W_* order); embed_norm is an EAGLE-3
+# head layer's alone (None in a model's layers)
+_SLOTS = ("input_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down", "q_bias", "k_bias", "v_bias",
+          "embed_norm")  # fmt: skip
+_BIASES = tuple(i for i, name in enumerate(_SLOTS) if name.endswith("_bias"))
 
 
 _SAID: set[str] = set()
@@ -178,7 +182,7 @@ class RotaryTable:
 def draft_tree(
     stack: tuple,
     rotary: RotaryTable,
-    readout: tuple[torch.Tensor, torch.Tensor | None],
+    readout: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
     cache: object,
     requests: tuple[list[int], list[int]],
     roots: tuple[torch.Tensor | None, torch.Tensor | None],
@@ -254,17 +258,19 @@ def run_stack(
     rows: tuple[torch.Tensor, ...],
     tree_mask: torch.Tensor | None,
     outs: ctypes.Array,
+    embeds: torch.Tensor | None = None,
 ) -> None:
     """``treespec_decoder_bf16`` over ``hidden`` [T, H] in place: ``dims`` (hidden, MLP width,
     query heads, KV heads, head dim), ``rows`` as :func:`treespec.kernels.tree_attention.cpu_rows`
-    gives them, ``tree_mask`` [T, W] or None (chains)."""
+    gives them, ``tree_mask`` [T, W] or None (chains), ``embeds`` [T, H] the rows' embeddings
+    (an EAGLE-3 layer's) or None."""
     mask = None if tree_mask is None else tree_mask.to(torch.int32).contiguous()
     row_slot, row_prefix, row_index, row_new = (r.contiguous() for r in rows)
     keys, values = cache.keys, cache.values
     cpu_kernels.decoder_bf16(
         hidden, table, final_norm, num_layers, len(hidden), *dims, eps, sm_scale, cos, sin, keys, values,
         keys.shape[1], keys.shape[3], row_slot, row_prefix, row_index, row_new, mask,
-        0 if mask is None else mask.shape[1], outs,
+        0 if mask is None else mask.shape[1], outs, None if embeds is None else embeds.contiguous(),
     )  # fmt: skip
 
 
@@ -336,13 +342,13 @@ class FusedDecoder:
             out += [(layer.input_layernorm, "weight"), (attn.q_proj, "weight"), (attn.k_proj, "weight"),
                     (attn.v_proj, "weight"), (attn.o_proj, "weight"), (layer.post_attention_layernorm, "weight"),
                     (mlp.gate_proj, "weight"), (mlp.up_proj, "weight"), (mlp.down_proj, "weight"),
-                    (attn.q_proj, "bias"), (attn.k_proj, "bias"), (attn.v_proj, "bias")]  # fmt: skip
+                    (attn.q_proj, "bias"), (attn.k_proj, "bias"), (attn.v_proj, "bias"), (None, "")]  # fmt: skip
         return [*out, (self.model.model.norm, "weight"), (self.model.get_output_embeddings(), "weight")]
 
     def _tensors(self) -> list[torch.Tensor | None]:
         """Every tensor the C stack reads, in table order: read from the modules' parameter dicts
         (one dict lookup each, not a chain of ``nn.Module.__getattr__``: it runs every step)."""
-        return [module._parameters.get(name) for module, name in self._owner_list]
+        return [None if module is None else module._parameters.get(name) for module, name in self._owner_list]
 
     def _build_table(self) -> None:
         tensors = self._tensors()
@@ -353,7 +359,7 @@ class FusedDecoder:
             if tensor is None:
                 pointers.append(None)
                 continue
-            if index % len(_SLOTS) >= _SLOTS.index("q_bias"):
+            if index % len(_SLOTS) in _BIASES:
                 tensor = tensor.detach().float()  # biases go in as fp32: exact widenings
                 kept.append(tensor)
             pointers.append(tensor.data_ptr())
@@ -410,15 +416,11 @@ class FusedDecoder:
 
 def eagle_refusal(head: nn.Module) -> str | None:
     """Why an EAGLE head's layer cannot run through the fused decoder here, or None when it can.
-    The fused layer is a Llama decoder layer without its input norm (EAGLE-1); EAGLE-3 attends
-    over [embedding; feature], twice the width the C stack's projections read."""
+    The fused layer is a Llama decoder layer: EAGLE-1's without its input norm, EAGLE-3's over
+    [RMSNorm(embedding); RMSNorm(feature)] with the feature as its residual."""
     if (reason := env_refusal()) is not None:
         return reason
     config = head.config
-    if config.eagle3:
-        return (
-            "an EAGLE-3 layer attends over [embedding; feature] (2H wide), which the fused decoder does not"
-        )
     weight = head.fc.weight
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return f"the fused decoder is for bf16 heads on a CPU; this one is {weight.dtype} on {weight.device}"
@@ -428,18 +430,22 @@ def eagle_refusal(head: nn.Module) -> str | None:
         return f"the fused decoder's MLP is SiLU-gated; this head's activation is {config.hidden_act!r}"
     if head.layer.self_attn.o_proj.bias is not None:
         return "the head's o-proj has a bias, which the fused decoder does not add"
-    tensors = [p for m in (head.fc, head.layer) for p in m.parameters()]
+    modules = (head.fc, head.layer, head.norm, head.lm_head) if config.eagle3 else (head.fc, head.layer)
+    tensors = [p for m in modules for p in m.parameters()]
     if not all(p.dtype is torch.bfloat16 and p.is_contiguous() for p in tensors):
         return "the head has parameters that are not contiguous bf16"
     return None
 
 
 class FusedEagleLayer:
-    """An EAGLE-1 head's pass as two C calls: ``fc`` over [embedding; feature] (treespec's linear
-    kernel), then the decoder layer (no input norm, no final norm) over the head's own KV cache,
-    attention masked as the target's tree attention is. The same arithmetic as the head's modules
-    on the fused target path: bf16 rounding wherever they round, RMSNorm summed in another order.
-    Holds pointers into the head's weights (a replaced parameter is not seen: build a new one)."""
+    """An EAGLE head's pass as two C calls: ``fc``, then the decoder layer over the head's own KV
+    cache, attention masked as the target's tree attention is. EAGLE-1: ``fc`` over [embedding;
+    feature], a layer without input norm. EAGLE-3: ``fc`` fuses the target's three layers (only
+    where the features are the target's), the layer reads [RMSNorm(embedding); RMSNorm(feature)]
+    with the feature as its residual, and the read-out goes through the head's own norm first
+    (:meth:`read_out`). The same arithmetic as the head's modules on the fused target path: bf16
+    rounding wherever they round, RMSNorm summed in another order. Holds pointers into the head's
+    weights (a replaced parameter is not seen: build a new one)."""
 
     def __init__(self, head: nn.Module) -> None:
         if (reason := eagle_refusal(head)) is not None:
@@ -447,19 +453,25 @@ class FusedEagleLayer:
         config, layer = head.config, head.layer
         attn, mlp = layer.self_attn, layer.mlp
         self.head = head
+        self.eagle3 = config.eagle3
         self.shape = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                       config.num_key_value_heads, config.head_dim)  # fmt: skip
         self.eps = float(config.rms_norm_eps)
         self.sm_scale = float(config.head_dim) ** -0.5
         self.fc = (head.fc.weight, head.fc.bias)
+        self.feature_size = config.feature_size
+        # EAGLE-3 reads out through its own norm (the layer's output stays the next feature)
+        self.readout_norm = head.norm.weight if config.eagle3 else None
         biases = [
             None if m.bias is None else m.bias.detach().float()
             for m in (attn.q_proj, attn.k_proj, attn.v_proj)
         ]
         self._kept = [b for b in biases if b is not None]  # fp32 widenings the table points at
-        slots = [None, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+        norms = (layer.hidden_norm.weight, layer.input_layernorm.weight) if config.eagle3 else (None, None)
+        slots = [norms[0], attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
                  layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-                 mlp.down_proj.weight, *biases]  # fmt: skip
+                 mlp.down_proj.weight, *biases, norms[1]]  # fmt: skip
+        assert len(slots) == len(_SLOTS)
         self._table = (ctypes.c_void_p * len(slots))(*[None if t is None else t.data_ptr() for t in slots])
         self._no_outs = (ctypes.c_void_p * 1)()
         self.rotary = RotaryTable(head.rotary, config.head_dim)
@@ -472,15 +484,33 @@ class FusedEagleLayer:
         cache: object,
         rows: tuple[torch.Tensor, ...],
         tree_mask: torch.Tensor | None,
+        from_target: bool = False,
     ) -> torch.Tensor:
-        """``embeds``, ``features`` [T, H] bf16 and their sequence ``positions`` [T]; ``rows`` and
-        ``tree_mask`` as :meth:`FusedDecoder.forward` takes them (a row's K/V go to position
-        committed + index of its slot). Returns the head's outputs h [T, H] bf16."""
-        x = cpu_kernels.linear_unchecked(torch.cat([embeds, features], dim=-1), *self.fc)
+        """``embeds`` [T, H] and ``features`` bf16: the head's own outputs [T, H], or with
+        ``from_target`` the target's features [T, feature_size] (EAGLE-3: its three layers, fused
+        by ``fc`` first); their sequence ``positions`` [T]; ``rows`` and ``tree_mask`` as
+        :meth:`FusedDecoder.forward` takes them (a row's K/V go to position committed + index of
+        its slot). Returns the head's outputs h [T, H] bf16 (EAGLE-3: before its norm)."""
+        width = self.feature_size if from_target else self.shape[0]
+        if features.shape[-1] != width:
+            raise ValueError(f"expected features of width {width}, got {features.shape[-1]}")
+        if not self.eagle3:
+            x = cpu_kernels.linear_unchecked(torch.cat([embeds, features], dim=-1), *self.fc)
+        elif from_target:
+            x = cpu_kernels.linear_unchecked(features, *self.fc)
+        else:
+            x = features.clone()  # the C stack works in place: the caller's features stay
         cos, sin = self.rotary(x, positions)
         run_stack(x, self._table, None, 1, self.shape, self.eps, self.sm_scale, cos, sin, cache, rows, tree_mask,
-                  self._no_outs)  # fmt: skip
+                  self._no_outs, embeds if self.eagle3 else None)  # fmt: skip
         return x
+
+    def read_out(self, h: torch.Tensor, readout: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, V] of the head's outputs h [T, H] through ``readout`` [V, H] (EAGLE-3:
+        after its norm, the C stack's RMSNorm, as the one-call tree reads out)."""
+        if self.readout_norm is not None:
+            h = cpu_kernels.rmsnorm_unchecked(h, self.readout_norm, self.eps)
+        return cpu_kernels.linear_unchecked(h, readout, None, fp32_out=True)
 
     def draft_tree(
         self,
@@ -494,11 +524,16 @@ class FusedEagleLayer:
         catch_up: tuple[list[int], torch.Tensor, list[int]] | None = None,
     ) -> tuple[tuple[torch.Tensor, ...], float]:
         """An EAGLE-2 tree per request in one C call (:func:`draft_tree`): every level's pass as
-        :meth:`forward` computes it, then the read-out ``readout`` [V, H] in fp32 (columns' tokens
-        ``column_ids``, None: column c is token c). ``embed`` the target's input embeddings,
-        ``requests`` their (head cache slots, root tokens), ``root_h`` [B, H] the head's outputs at
-        the roots, read out inside; or None with ``catch_up`` (tokens, target features, counts):
-        the pairs committed since the last tree, run first in the same call (:func:`draft_tree`)."""
+        :meth:`forward` computes it, then the read-out as :meth:`read_out` computes it through
+        ``readout`` [V, H] (columns' tokens ``column_ids``, None: column c is token c). ``embed``
+        the target's input embeddings, ``requests`` their (head cache slots, root tokens),
+        ``root_h`` [B, H] the head's outputs at the roots, read out inside; or None with
+        ``catch_up`` (tokens, target features [C, feature_size], counts): the pairs committed
+        since the last tree, run first in the same call (:func:`draft_tree`)."""
+        if catch_up is not None and catch_up[1].shape[-1] != self.feature_size:
+            raise ValueError(
+                f"a catch-up's features need width {self.feature_size}, got {catch_up[1].shape[-1]}"
+            )
         stack = (embed, *self.fc, self._table, 1, None, self.shape, self.eps, self.sm_scale)
-        return draft_tree(stack, self.rotary, (readout, column_ids), cache, requests, (root_h, None), shape,
-                          catch_up)  # fmt: skip
+        return draft_tree(stack, self.rotary, (readout, column_ids, self.readout_norm), cache, requests,
+                          (root_h, None), shape, catch_up)  # fmt: skip

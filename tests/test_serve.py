@@ -263,6 +263,8 @@ def test_health_models_and_metrics(server):
         ({"prompt": []}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
         ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "proposer": "medusa"}, "proposer"),
+        ({"prompt": "x", "proposer": 5}, "proposer"),
         ({}, "prompt"),
     ],
 )
@@ -309,9 +311,52 @@ def test_serve_refuses_bad_options():
 
     with pytest.raises(ValueError, match="proposer must be one of"):
         ServeConfig("m", proposer="magic")
+    for listed in ("eagle,eagle", "eagle,auto", "ngram,none", "eagle,magic"):
+        with pytest.raises(ValueError, match="a list of proposers names distinct ones of ngram, eagle"):
+            ServeConfig("m", proposer=listed)
+    assert ServeConfig("m", proposer="eagle, ngram").proposers == ("eagle", "ngram")
     with pytest.raises(ValueError, match="max_batch must be"):
         ServeConfig("m", max_batch=0)
     with pytest.raises(ValueError, match="port must be"):
         ServeConfig("m", port=70000)
     with pytest.raises(ValueError, match="budget must be"):
         ServeConfig("m", budget="huge")
+
+
+def test_a_request_picks_one_of_the_servers_proposers(tiny_folder, reference, monkeypatch):
+    """--proposer ngram,eagle: n-gram lookup drafts by default, "proposer": "eagle" picks the EAGLE
+    head (a random one for the tiny model), "speculation": false neither; every completion equals
+    generate, each method's steps are counted apart, and a proposer the server lacks is a 400."""
+    from test_eagle import random_head
+
+    from treespec.bench.e2e import Components
+    from treespec.proposers import EagleProposer
+
+    original = Components.proposer
+
+    def proposer(self, method):
+        if method != "eagle":
+            return original(self, method)
+        head = random_head(self.model, std=0.05).to(torch.bfloat16)
+        return EagleProposer(head, self.model, top_k=2, depth=3, total_tokens=5, max_batch_size=4)
+
+    monkeypatch.setattr(Components, "proposer", proposer)
+    live = LiveServer(tiny_folder, proposer="ngram,eagle", budget="fixed")
+    run, tokenizer = reference
+    try:
+        for text in PROMPTS[:3]:
+            ids = tokenizer(text)["input_ids"]
+            _, want = run(ids, 20)
+            for extra in ({}, {"proposer": "eagle"}, {"proposer": "ngram"}, {"speculation": False}):
+                got = live.client.completions.create(model=live.config.model, prompt=text, max_tokens=20,
+                                                     temperature=0, extra_body=extra)  # fmt: skip
+                assert got.choices[0].text == want, (text, extra)
+        metrics = live.metrics()
+        for method in ("ngram", "eagle", "none"):
+            assert metrics[f'treespec_decode_steps_total{{method="{method}"}}'] > 0, method
+        response = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "proposer": "medusa"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "proposer"
+        assert "this server drafts with ngram, eagle" in response.json()["error"]["message"]
+        assert live.runner.router is not None and live.runner.router._route == {}
+    finally:
+        live.close()

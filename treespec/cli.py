@@ -55,8 +55,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--proposer", default="auto", choices=["auto", "none", "ngram", "eagle", "medusa", "draft",
-                       "hybrid"], help="how requests speculate (a request may turn it off: \"speculation\": false)")  # fmt: skip
+    serve.add_argument("--proposer", default="auto",
+                       help="how requests speculate: auto, none, ngram, eagle, medusa, draft, hybrid, or a comma "
+                            "list of the named ones (eagle,ngram: a request picks one with \"proposer\", the first "
+                            "by default); a request may turn speculation off with \"speculation\": false")  # fmt: skip
     serve.add_argument("--max-batch", type=int, default=8, help="requests decoding at once; the rest wait")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/")
     serve.add_argument("--max-model-len", type=int, default=None,

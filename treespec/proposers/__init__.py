@@ -6,6 +6,7 @@ from treespec.proposers.eagle import EagleProposer
 from treespec.proposers.hybrid import HybridProposer
 from treespec.proposers.medusa import MedusaProposer
 from treespec.proposers.ngram import NgramProposer
+from treespec.proposers.routed import RoutedProposer
 
 __all__ = [
     "DraftModelProposer",
@@ -15,4 +16,5 @@ __all__ = [
     "NgramProposer",
     "ProposalRequest",
     "Proposer",
+    "RoutedProposer",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PROPOSERS = ("auto", "none", "ngram", "eagle", "medusa", "draft", "hybrid")
+ROUTABLE = ("ngram", "eagle", "medusa", "draft", "hybrid")  # what a list of proposers may hold
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,7 @@ class ServeConfig:
     model: str
     host: str = "127.0.0.1"
     port: int = 8000
-    proposer: str = "auto"
+    proposer: str = "auto"  # one of PROPOSERS, or a comma list of ROUTABLE ones: the first the default
     max_batch: int = 8
     api_key: str | None = None
     max_model_len: int | None = None  # None: the engine's default for the model
@@ -28,8 +29,13 @@ class ServeConfig:
     budget: str = "adaptive"  # named proposers: "adaptive", "fixed" (their own trees) or "N" nodes a step
 
     def __post_init__(self) -> None:
-        if self.proposer not in PROPOSERS:
+        names = self.proposers
+        if len(names) == 1 and names[0] not in PROPOSERS:
             raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
+        if len(names) > 1 and (len(set(names)) != len(names) or not set(names) <= set(ROUTABLE)):
+            raise ValueError(
+                f"a list of proposers names distinct ones of {', '.join(ROUTABLE)}, got {self.proposer!r}"
+            )
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {self.max_batch!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -42,3 +48,8 @@ class ServeConfig:
             raise ValueError(f"budget must be adaptive, fixed or a node count 1..31, got {self.budget!r}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+
+    @property
+    def proposers(self) -> tuple[str, ...]:
+        """The proposer names ``proposer`` lists (a request may choose among several)."""
+        return tuple(name.strip() for name in self.proposer.split(","))

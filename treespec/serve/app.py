@@ -56,8 +56,10 @@ class _Sampling(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
-    # treespec's own: false keeps this request away from the server's proposer (plain decoding)
+    # treespec's own: false keeps this request away from the server's proposer (plain decoding);
+    # proposer: which of the server's proposers drafts for it (None: the server's default)
     speculation: bool = True
+    proposer: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -84,13 +86,15 @@ class ChatRequest(_Sampling):
 @dataclass(frozen=True)
 class ServerConfig:
     """What the app serves: the model's name, its stop tokens, the longest context a request
-    may fill (prompt + new tokens), and the API key (None: open)."""
+    may fill (prompt + new tokens), the API key (None: open) and the proposers a request may
+    name (the first the default; empty: the server does not speculate)."""
 
     model_name: str
     eos: tuple[int, ...]
     max_model_len: int
     vocab_size: int
     api_key: str | None = None
+    proposers: tuple[str, ...] = ()
 
 
 def sampling_params(body: _Sampling, vocab_size: int) -> SamplingParams:
@@ -246,11 +250,15 @@ def build_app(runner: EngineRunner, tokenizer, config: ServerConfig) -> FastAPI:
         if max_tokens > room:
             raise BadRequest(f"this model's maximum context length is {config.max_model_len} tokens; the prompt "
                              f"has {len(ids)} and max_tokens asks for {max_tokens} more", "max_tokens")  # fmt: skip
+        if body.proposer is not None and body.proposer not in config.proposers:
+            served = ", ".join(config.proposers) if config.proposers else "none: it does not speculate"
+            raise BadRequest(f"proposer {body.proposer!r} is not served here; this server drafts with {served}",
+                             "proposer")  # fmt: skip
         params = sampling_params(body, config.vocab_size)
         stops = stop_strings(body)
         stop = _stop_rule(stops, tokenizer)
         stream = runner.submit(ids, max_new_tokens=max_tokens, eos=list(config.eos), sampling=params, stop=stop,
-                               speculate=body.speculation)  # fmt: skip
+                               speculate=body.speculation, proposer=body.proposer)  # fmt: skip
         reply = Reply(chat, config.model_name, len(ids))
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from treespec.engine.loop import Engine
+from treespec.proposers.routed import RoutedProposer
 from treespec.sampling import SamplingParams
 
 
@@ -76,15 +77,18 @@ class _Submission:
     sampling: SamplingParams
     stop: Callable[[list[int]], bool] | None
     speculate: bool
+    proposer: str | None
 
 
 class EngineRunner:
     """Owns the engine and the thread that steps it. ``method`` names the proposer in the
-    metrics."""
+    metrics; ``router`` (the engine's proposer, or the one inside its budget) gives each request
+    the member it names, where the server offers several."""
 
-    def __init__(self, engine: Engine, method: str) -> None:
+    def __init__(self, engine: Engine, method: str, router: RoutedProposer | None = None) -> None:
         self.engine = engine
         self.method = method
+        self.router = router
         self.metrics = Metrics()
         self._wake = threading.Condition()
         self._incoming: list[_Submission] = []
@@ -119,15 +123,19 @@ class EngineRunner:
         sampling: SamplingParams,
         stop: Callable[[list[int]], bool] | None = None,
         speculate: bool = True,
+        proposer: str | None = None,
     ) -> TokenStream:
         """Queue a request (checked by the caller: the engine thread takes it as it is); its
-        tokens arrive on the returned stream. Call from the event loop."""
+        tokens arrive on the returned stream. ``proposer``: the router's member that drafts for
+        it (None: the default). Call from the event loop."""
         stream = TokenStream(asyncio.get_running_loop())
         stream.prompt_tokens = len(prompt)
         with self._wake:
             if self._closing:
                 raise RuntimeError("the server is shutting down")
-            self._incoming.append(_Submission(stream, prompt, max_new_tokens, eos, sampling, stop, speculate))
+            self._incoming.append(
+                _Submission(stream, prompt, max_new_tokens, eos, sampling, stop, speculate, proposer)
+            )
             self._wake.notify()
         return stream
 
@@ -162,6 +170,8 @@ class EngineRunner:
         except (ValueError, TypeError) as exc:  # checked before it came here; said, never swallowed
             item.stream.push(Delta([], "error", error=str(exc)))
             return
+        if self.router is not None and item.speculate:  # before its first step: its member sees the prefill
+            self.router.route(request_id, item.proposer)
         item.stream.request_id = request_id
         self._streams[request_id] = item.stream
         self.metrics.requests_total += 1
@@ -184,6 +194,8 @@ class EngineRunner:
     def _step(self) -> None:
         start = time.perf_counter()
         lengths = {rid: len(self.engine.stats.accepted_lengths.get(rid, ())) for rid in self._streams}
+        # each request's method, read before the step (a request that finishes leaves the router)
+        methods = {rid: self.router.member_of(rid) for rid in self._streams} if self.router else {}
         try:
             outputs = self.engine.step()
         except Exception:  # a bug or a broken model: every open request is told, the server stays up
@@ -201,7 +213,9 @@ class EngineRunner:
             metrics.generated_tokens += len(out.new_tokens)
             accepted = self.engine.stats.accepted_lengths.get(out.request_id, ())
             if len(accepted) > lengths.get(out.request_id, 0):  # a decoding step (not the first token)
-                method = self.method if out.request_id in speculating else "none"
+                method = (
+                    "none" if out.request_id not in speculating else methods.get(out.request_id, self.method)
+                )
                 metrics.decode_steps[method] = metrics.decode_steps.get(method, 0) + 1
                 metrics.committed_tokens[method] = metrics.committed_tokens.get(method, 0) + accepted[-1]
             stream = self._streams.get(out.request_id)

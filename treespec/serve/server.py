@@ -8,6 +8,7 @@ from treespec.api import _default_eos
 from treespec.auto import auto_proposer
 from treespec.bench.e2e import BenchConfig, Components
 from treespec.engine.loop import Engine
+from treespec.proposers.routed import RoutedProposer
 from treespec.serve import ServeConfig
 from treespec.serve.app import ServerConfig, build_app
 from treespec.serve.runner import EngineRunner
@@ -23,7 +24,10 @@ def build(config: ServeConfig):
     max_len = config.max_model_len or default_max_len(target.max_context)
     if target.max_context is not None and max_len > target.max_context:
         raise ValueError(f"max_model_len {max_len} exceeds the model's context of {target.max_context}")
-    if config.proposer == "auto":
+    names, router = config.proposers, None
+    if len(names) > 1:  # each request drafted by the member it names (the first by default)
+        proposer = router = RoutedProposer({name: parts.proposer(name) for name in names}, default=names[0])
+    elif config.proposer == "auto":
         proposer = auto_proposer(parts.model, batch_size=config.max_batch, target=target, max_len=max_len)
     elif config.proposer == "none":
         proposer = None
@@ -31,9 +35,10 @@ def build(config: ServeConfig):
         proposer = parts.proposer(config.proposer)
     engine = Engine(target, max_batch_size=config.max_batch, max_len=max_len, prefill_chunk_size=config.prefill_chunk,
                     proposer=proposer)  # fmt: skip
-    runner = EngineRunner(engine, config.proposer if proposer is not None else "none")
+    runner = EngineRunner(engine, names[0] if proposer is not None else "none", router)
     name = config.served_model_name or config.model
-    server = ServerConfig(name, tuple(_default_eos(parts.model)), max_len, target.vocab_size, config.api_key)
+    server = ServerConfig(name, tuple(_default_eos(parts.model)), max_len, target.vocab_size, config.api_key,
+                          names if proposer is not None else ())  # fmt: skip
     return build_app(runner, parts.tokenizer, server), runner
 
 

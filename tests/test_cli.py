@@ -58,3 +58,31 @@ def test_a_bad_flag_value_is_refused_by_name(command, capsys, tmp_path, monkeypa
     argv, named = BAD[command]
     assert cli.main([*command, *argv]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_serve_hands_its_options_to_the_server(monkeypatch, capsys):
+    """treespec serve's flags reach ServeConfig as given; a bad list of proposers is one line."""
+    pytest.importorskip("fastapi")
+    from treespec.serve import server
+
+    seen = []
+    monkeypatch.setattr(server, "serve", seen.append)
+    argv = ["serve", "m", "--port", "9000", "--proposer", "ngram,eagle", "--budget", "8", "--max-batch", "3",
+            "--api-key", "k", "--max-model-len", "256", "--prefill-chunk", "64", "--served-model-name", "x"]  # fmt: skip
+    assert cli.main(argv) == 0
+    config = seen[0]
+    assert (config.model, config.port, config.proposers, config.budget, config.max_batch) == (
+        "m",
+        9000,
+        ("ngram", "eagle"),
+        "8",
+        3,
+    )
+    assert (config.api_key, config.max_model_len, config.prefill_chunk, config.served_model_name) == (
+        "k",
+        256,
+        64,
+        "x",
+    )
+    assert cli.main(["serve", "--proposer", "eagle,eagle"]) != 0
+    assert "a list of proposers names distinct ones" in capsys.readouterr().err

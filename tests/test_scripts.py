@@ -15,10 +15,16 @@ import torch
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-def run_script(name: str, argv: list[str], monkeypatch) -> None:
+def _script(name: str):
+    """scripts/NAME.py as a module."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def run_script(name: str, argv: list[str], monkeypatch) -> None:
+    module = _script(name)
     monkeypatch.setattr(sys, "argv", [name, *argv])
     module.main()
 
@@ -351,3 +357,29 @@ def test_bench_head_cost_times_each_head_kind_at_both_budgets(tmp_path, monkeypa
         }
         assert {p["phase"] for p in phases} == {"fc", "qkv", "o", "gate+up", "down", "read-out"}
         assert all(p["ms"] > 0 and 0 < p["floor_ms"] for p in phases)
+
+
+def test_serve_load_picks_prompts_across_the_file_and_tabulates_vllms_results(tmp_path):
+    """scripts/serve_load.py's own parts (the servers and vLLM's client need the peers): the
+    prompts spread over the file, the commands of each server, and the table from vLLM's result
+    JSON (its p50 as median_* where no p50_* was asked for)."""
+    load = _script("serve_load")
+    source = tmp_path / "spec.jsonl"
+    source.write_text("".join(json.dumps({"turns": [f"q{i}", "second"]}) + "\n" for i in range(10)))
+    out = tmp_path / "prompts.jsonl"
+    assert load.write_prompts(source, out, 4) == 4
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["q0", "q2", "q5", "q7"]
+    with pytest.raises(ValueError, match="--num-prompts must be in 1..10, got 11"):
+        load.write_prompts(source, out, 11)
+    command, env = load.server_command("treespec-ngram,eagle", 8100, tmp_path, 8)
+    assert command[-6:] == ["--port", "8100", "--proposer", "ngram,eagle", "--max-batch", "8"] and env == {}
+    assert load.server_command("vllm", 8100, tmp_path, 4)[1]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert "-np" in load.server_command("llama", 8100, tmp_path, 4)[0]
+    with pytest.raises(ValueError, match="servers are treespec-PROPOSER, vllm or llama"):
+        load.server_command("sglang", 8100, tmp_path, 4)
+    result = {"completed": 32, "output_throughput": 151.25, "request_throughput": 1.5, "median_ttft_ms": 80.0,
+              "p99_ttft_ms": 300.0, "p50_itl_ms": 40.0, "median_itl_ms": 41.0, "p99_itl_ms": 90.5}  # fmt: skip
+    rows = load.summarize({"vllm-c8": result})
+    assert rows == [{"run": "vllm-c8", "completed": 32, "output_tok_s": 151.25, "req_s": 1.5, "ttft_p50_ms": 80.0,
+                     "ttft_p99_ms": 300.0, "itl_p50_ms": 40.0, "itl_p99_ms": 90.5}]  # fmt: skip
+    assert "| vllm-c8 | 32 | 151.2 | 1.50 | 80.0 / 300.0 | 40.0 / 90.5 |" in load.table(rows)

@@ -68,6 +68,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--served-model-name", default=None, help="the name clients pass as model (default: MODEL)"
     )
+    serve.add_argument("--budget", default="adaptive", metavar="adaptive|fixed|N",
+                       help="a named proposer's tree size per step, as treespec bench --budget: chosen from measured "
+                            "costs and acceptance, the proposer's own trees, or N drafted nodes (1 to 31)")  # fmt: skip
     serve.set_defaults(handler=_serve)
 
 

@@ -6,14 +6,17 @@ held-out prompts at each concurrency.
     python scripts/serve_load.py OUT [--servers treespec-none,treespec-auto,vllm,llama]
                                      [--concurrency 1,8] [--num-prompts 32] [--output-len 128]
 
-Needs ``../shared/peers/setup.sh`` (vLLM's venv, llama.cpp's ``llama-server``, the bf16 GGUF).
+Needs ``../shared/peers/setup.sh`` (vLLM's venv, llama.cpp's ``llama-server``, the bf16 GGUF) and
+pandas in vLLM's venv (its benchmark reads a prompt file with it: ``$PEERS_DIR/vllm/bin/python -m
+pip install pandas``).
 Prompts: the first turn of every k-th row of Spec-Bench without MT-bench
 (``../shared/data/prompts/spec_bench/``, prompts no head trains on), written to OUT at run time,
 never into the repository. Chat endpoint, temperature 0, each server applying the model's chat
 template; a request ends at the model's end of sequence or ``--output-len`` tokens. Per run
 OUT gets vLLM's result JSON (``SERVER-cN.json``) and the server's log; ``summary.json`` and the
-printed table give output tokens/s, requests/s, time to first token and inter-token latency
-(p50, p99). Run it alone: the client shares the cores with the server it times.
+printed table give output tokens/s, requests/s, time to first token, time per output token after
+the first (TPOT: a speculative server's chunks carry several tokens, so its inter-token latency,
+ITL, is per chunk) and ITL (p50, p99). Run it alone: the client shares the cores with the server it times.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def summarize(results: dict[str, dict]) -> list[dict]:
     for run, result in results.items():
         row = {"run": run, "completed": result.get("completed"), "output_tok_s": result.get("output_throughput"),
                "req_s": result.get("request_throughput")}  # fmt: skip
-        for metric in ("ttft", "itl"):
+        for metric in ("ttft", "tpot", "itl"):
             for p in ("p50", "p99"):
                 key = (
                     f"median_{metric}_ms"
@@ -101,14 +104,18 @@ def summarize(results: dict[str, dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| run | done | output tok/s | req/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |\n|---|---|---|---|---|---|\n"
+    head = (
+        "| run | done | output tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
 
     def f(x) -> str:
         return "-" if x is None else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
 
     return head + "".join(
         f"| {r['run']} | {r['completed']} | {f(r['output_tok_s'])} | {f(r['req_s'])} | "
-        f"{f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} | {f(r['itl_p50_ms'])} / {f(r['itl_p99_ms'])} |\n"
+        f"{f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} | {f(r['tpot_p50_ms'])} / {f(r['tpot_p99_ms'])} | "
+        f"{f(r['itl_p50_ms'])} / {f(r['itl_p99_ms'])} |\n"
         for r in rows
     )
 
@@ -128,6 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     model_dir = Path(os.environ.get("TREESPEC_MODEL_DIR", Path.home() / ".cache/treespec/models" / MODEL))
+    vllm = PEERS_DIR / "vllm/bin/python"
+    if subprocess.run([str(vllm), "-c", "import pandas"], capture_output=True).returncode != 0:
+        raise SystemExit(f"vLLM's serving benchmark reads the prompts with pandas, which {vllm} lacks: "
+                         f"{vllm} -m pip install pandas (or run ../shared/peers/setup.sh first)")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = args.out / "prompts.jsonl"
     write_prompts(args.prompts, prompts, args.num_prompts)

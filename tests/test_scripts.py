@@ -378,8 +378,10 @@ def test_serve_load_picks_prompts_across_the_file_and_tabulates_vllms_results(tm
     with pytest.raises(ValueError, match="servers are treespec-PROPOSER, vllm or llama"):
         load.server_command("sglang", 8100, tmp_path, 4)
     result = {"completed": 32, "output_throughput": 151.25, "request_throughput": 1.5, "median_ttft_ms": 80.0,
-              "p99_ttft_ms": 300.0, "p50_itl_ms": 40.0, "median_itl_ms": 41.0, "p99_itl_ms": 90.5}  # fmt: skip
+              "p99_ttft_ms": 300.0, "p50_itl_ms": 40.0, "median_itl_ms": 41.0, "p99_itl_ms": 90.5,
+              "median_tpot_ms": 20.0, "p99_tpot_ms": 30.0}  # fmt: skip
     rows = load.summarize({"vllm-c8": result})
     assert rows == [{"run": "vllm-c8", "completed": 32, "output_tok_s": 151.25, "req_s": 1.5, "ttft_p50_ms": 80.0,
-                     "ttft_p99_ms": 300.0, "itl_p50_ms": 40.0, "itl_p99_ms": 90.5}]  # fmt: skip
-    assert "| vllm-c8 | 32 | 151.2 | 1.50 | 80.0 / 300.0 | 40.0 / 90.5 |" in load.table(rows)
+                     "ttft_p99_ms": 300.0, "tpot_p50_ms": 20.0, "tpot_p99_ms": 30.0, "itl_p50_ms": 40.0,
+                     "itl_p99_ms": 90.5}]  # fmt: skip
+    assert "| vllm-c8 | 32 | 151.2 | 1.50 | 80.0 / 300.0 | 20.0 / 30.0 | 40.0 / 90.5 |" in load.table(rows)

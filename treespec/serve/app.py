@@ -335,13 +335,16 @@ async def _whole(runner: EngineRunner, stream: TokenStream, cut: TextCut, reply:
 async def _stream(runner: EngineRunner, stream: TokenStream, cut: TextCut, reply: Reply, usage: bool
                   ) -> AsyncIterator[str]:  # fmt: skip
     """Server-sent events: a chunk per step's new text, the finish reason, usage if asked, [DONE].
-    Cancelled (the client went away), it aborts the request."""
-    done, count = False, 0
+    A chat stream's role chunk goes out with the first step's tokens (as vLLM's does), so a
+    client's time to first token counts the prefill. Cancelled (the client went away), it
+    aborts the request."""
+    done, count, opened = False, 0, not reply.chat
     try:
-        if reply.chat:
-            yield _event(reply.chunk(None, None, first=True))
         while True:
             delta = await stream.next()
+            if not opened:
+                yield _event(reply.chunk(None, None, first=True))
+                opened = True
             if delta.error is not None:
                 yield _event(
                     {"error": {"message": f"the engine failed: {delta.error}", "type": "server_error"}}

@@ -360,3 +360,38 @@ def test_a_request_picks_one_of_the_servers_proposers(tiny_folder, reference, mo
         assert live.runner.router is not None and live.runner.router._route == {}
     finally:
         live.close()
+
+
+def test_the_command_serves_and_stops_on_sigterm(tiny_folder):
+    """`treespec serve` as a user starts it (the engine on the main thread, the HTTP side on
+    another): a process that answers, and exits cleanly on SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "treespec.cli", "serve", str(tiny_folder), "--port", str(port),
+               "--proposer", "ngram", "--budget", "fixed", "--max-batch", "2"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        got = client.completions.create(model=str(tiny_folder), prompt="1 2 3", max_tokens=5, temperature=0)
+        assert got.usage.completion_tokens >= 1
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        assert "treespec: serving" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
+
 import uvicorn
 
 from treespec.api import _default_eos
@@ -43,12 +47,28 @@ def build(config: ServeConfig):
 
 
 def serve(config: ServeConfig) -> None:
-    """Load, start the engine thread, serve until interrupted."""
+    """Load, then serve until interrupted: the engine steps on the main thread (PyTorch's
+    operators are several times dearer on another: :meth:`EngineRunner.run`), the HTTP side runs
+    on a thread of its own."""
     app, runner = build(config)
-    runner.start()
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
+    http = threading.Thread(target=server.run, name="treespec-http", daemon=True)
+    http.start()
+    while not server.started and http.is_alive():
+        time.sleep(0.05)
+    if not server.started:  # the port was taken, or the app failed to start: uvicorn said why
+        raise SystemExit(f"treespec: the server could not start on {config.host}:{config.port}")
     print(f"treespec: serving {config.served_model_name or config.model} on http://{config.host}:{config.port}/v1 "
           f"(proposer {config.proposer}, up to {config.max_batch} requests at once)", flush=True)  # fmt: skip
+    def stop(signum, frame) -> None:  # SIGTERM ends the server as Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+        runner.run()
+    except KeyboardInterrupt:
+        pass
     finally:
+        server.should_exit = True
+        http.join(timeout=10)
         runner.close()

@@ -12,8 +12,11 @@ pip install pandas``).
 Prompts: the first turn of every k-th row of Spec-Bench without MT-bench
 (``../shared/data/prompts/spec_bench/``, prompts no head trains on), written to OUT at run time,
 never into the repository. Chat endpoint, temperature 0, each server applying the model's chat
-template; a request ends at the model's end of sequence or ``--output-len`` tokens. Per run
-OUT gets vLLM's result JSON (``SERVER-cN.json``) and the server's log; ``summary.json`` and the
+template; a request ends at the model's end of sequence or ``--output-len`` tokens. Every request
+on a connection of its own (``Connection: close``): llama-server closes a kept-alive connection
+after a few requests, which the client saw as failed requests (9 of 32). Per run
+OUT gets vLLM's result JSON (``SERVER-cN.json``) and the server's log, each run on a freshly
+started server (llama-server and vLLM keep earlier prompts' K/V and would reuse them); ``summary.json`` and the
 printed table give output tokens/s, requests/s, time to first token, time per output token after
 the first (TPOT: a speculative server's chunks carry several tokens, so its inter-token latency,
 ITL, is per chunk) and ITL (p50, p99). Run it alone: the client shares the cores with the server it times.
@@ -52,13 +55,16 @@ def write_prompts(source: Path, out: Path, count: int) -> int:
     return len(picked)
 
 
-def server_command(name: str, port: int, model_dir: Path, max_batch: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and extra environment that start server ``name`` on ``port``."""
+def server_command(
+    name: str, port: int, model_dir: Path, max_batch: int, treespec_args: tuple[str, ...] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment that start server ``name`` on ``port``
+    (``treespec_args``: more flags for treespec's)."""
     if name.startswith("treespec-"):
         proposer = name.removeprefix("treespec-")
         treespec = [sys.executable, "-m", "treespec.cli"]
         return [*treespec, "serve", MODEL, "--port", str(port), "--proposer", proposer,
-                "--max-batch", str(max_batch)], {}  # fmt: skip
+                "--max-batch", str(max_batch), *treespec_args], {}  # fmt: skip
     if name == "vllm":
         return [str(PEERS_DIR / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
                 str(model_dir), "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
@@ -120,6 +126,43 @@ def table(rows: list[dict]) -> str:
     )
 
 
+def _run(name: str, level: int, run: str, args: argparse.Namespace, model_dir: Path, prompts: Path) -> bool:
+    """Start server ``name``, time it at concurrency ``level`` with vLLM's client, stop it; whether
+    the client finished (its result JSON is then in ``args.out``)."""
+    command, extra = server_command(name, args.port, model_dir, level, tuple(args.treespec_args.split()))
+    log = open(args.out / f"{run}.server.log", "w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **extra},
+                              cwd=ROOT, start_new_session=True)  # fmt: skip
+    try:
+        wait_ready(args.port, server, args.ready_timeout)
+        client = [str(PEERS_DIR / "vllm/bin/python"), str(SHARED / "peers/serve_bench.py"),
+                  "--backend", "openai-chat", "--base-url", f"http://127.0.0.1:{args.port}",
+                  "--endpoint", "/v1/chat/completions", "--model", MODEL, "--tokenizer", str(model_dir),
+                  "--dataset-name", "custom", "--dataset-path", str(prompts), "--skip-chat-template",
+                  "--disable-shuffle", "--num-prompts", str(args.num_prompts), "--max-concurrency",
+                  str(level), "--custom-output-len", str(args.output_len), "--temperature", "0",
+                  "--num-warmups", "1", "--header", "Connection=close", "--percentile-metrics", ",".join(METRICS),
+                  "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(args.out),
+                  "--result-filename", f"{run}.json", "--disable-tqdm"]  # fmt: skip
+        done = subprocess.run(client, env={**os.environ, **VLLM_ENV}, capture_output=True, text=True)
+        (args.out / f"{run}.client.log").write_text(done.stdout + done.stderr)
+        if done.returncode != 0:
+            print(f"{run}: the client failed ({done.returncode}): {done.stderr[-400:]}", flush=True)
+        return done.returncode == 0
+    except RuntimeError as exc:  # a server that did not start: said, and the next one runs
+        print(f"{run}: {exc} (its log: {args.out / f'{run}.server.log'})", flush=True)
+        return False
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+        time.sleep(3)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -129,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--ready-timeout", type=float, default=600)
+    parser.add_argument("--treespec-args", default="", help="more flags for treespec serve, one string")
     parser.add_argument(
         "--prompts", type=Path, default=SHARED / "data/prompts/spec_bench/question_no_mtbench.jsonl"
     )
@@ -144,41 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     write_prompts(args.prompts, prompts, args.num_prompts)
     results: dict[str, dict] = {}
     for name in args.servers.split(","):
-        command, extra = server_command(name, args.port, model_dir, max(levels))
-        log = open(args.out / f"{name}.log", "w")
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **extra},
-                                  cwd=ROOT, start_new_session=True)  # fmt: skip
-        try:
-            wait_ready(args.port, server, args.ready_timeout)
-            for level in levels:
-                run = f"{name}-c{level}"
-                client = [str(PEERS_DIR / "vllm/bin/python"), str(SHARED / "peers/serve_bench.py"),
-                          "--backend", "openai-chat", "--base-url", f"http://127.0.0.1:{args.port}",
-                          "--endpoint", "/v1/chat/completions", "--model", MODEL, "--tokenizer", str(model_dir),
-                          "--dataset-name", "custom", "--dataset-path", str(prompts), "--skip-chat-template",
-                          "--disable-shuffle", "--num-prompts", str(args.num_prompts), "--max-concurrency",
-                          str(level), "--custom-output-len", str(args.output_len), "--temperature", "0",
-                          "--num-warmups", "1", "--percentile-metrics", ",".join(METRICS), "--metric-percentiles",
-                          "50,99", "--save-result", "--result-dir", str(args.out), "--result-filename",
-                          f"{run}.json", "--disable-tqdm"]  # fmt: skip
-                done = subprocess.run(client, env={**os.environ, **VLLM_ENV}, capture_output=True, text=True)
-                (args.out / f"{run}.client.log").write_text(done.stdout + done.stderr)
-                if done.returncode != 0:
-                    print(f"{run}: the client failed ({done.returncode}): {done.stderr[-400:]}", flush=True)
-                    continue
+        for level in levels:  # a fresh server per run: no prompt cached by an earlier one
+            run = f"{name}-c{level}"
+            if _run(name, level, run, args, model_dir, prompts):
                 results[run] = json.loads((args.out / f"{run}.json").read_text())
                 print(table(summarize({run: results[run]})).splitlines()[-1], flush=True)
-        except RuntimeError as exc:  # a server that did not start: said, and the next one runs
-            print(f"{name}: {exc} (its log: {args.out / f'{name}.log'})", flush=True)
-        finally:
-            if server.poll() is None:
-                os.killpg(server.pid, signal.SIGTERM)
-                try:
-                    server.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(server.pid, signal.SIGKILL)
-            log.close()
-            time.sleep(3)
     rows = summarize(results)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     print(table(rows))

@@ -68,21 +68,14 @@ def test_serve_hands_its_options_to_the_server(monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(server, "serve", seen.append)
     argv = ["serve", "m", "--port", "9000", "--proposer", "ngram,eagle", "--budget", "8", "--max-batch", "3",
-            "--api-key", "k", "--max-model-len", "256", "--prefill-chunk", "64", "--served-model-name", "x"]  # fmt: skip
+            "--api-key", "k", "--max-model-len", "256", "--prefill-chunk", "64", "--served-model-name", "x",
+            "--max-prefill-tokens", "96", "--dtype", "fp32"]  # fmt: skip
     assert cli.main(argv) == 0
     config = seen[0]
-    assert (config.model, config.port, config.proposers, config.budget, config.max_batch) == (
-        "m",
-        9000,
-        ("ngram", "eagle"),
-        "8",
-        3,
-    )
-    assert (config.api_key, config.max_model_len, config.prefill_chunk, config.served_model_name) == (
-        "k",
-        256,
-        64,
-        "x",
-    )
+    got = (config.model, config.port, config.proposers, config.budget, config.max_batch, config.api_key,
+           config.max_model_len, config.prefill_chunk, config.served_model_name, config.max_prefill_tokens,
+           config.dtype)  # fmt: skip
+    assert got == ("m", 9000, ("ngram", "eagle"), "8", 3, "k", 256, 64, "x", 96, "fp32")
+    assert cli.main(["serve", "m", "--max-prefill-tokens", "0"]) == 0 and seen[1].max_prefill_tokens is None
     assert cli.main(["serve", "--proposer", "eagle,eagle"]) != 0
     assert "a list of proposers names distinct ones" in capsys.readouterr().err

@@ -412,3 +412,40 @@ def test_an_aborted_request_frees_its_slot_and_the_proposers_state_at_once():
     assert waiting.pop(second).output == [] and waiting.pop(first).finish_reason in ("eos", "length")
     with pytest.raises(ValueError, match="no request 99"):
         waiting.abort(99)
+
+
+@pytest.mark.parametrize("kind", ["none", "eagle"])
+def test_a_prefill_budget_bounds_each_steps_prompt_tokens_and_keeps_the_output(kind):
+    """max_prefill_tokens: no step runs more prompt tokens than the budget across requests (each
+    chunk still at most prefill_chunk_size), prompts are taken in admission order, a request left
+    out of a step waits, and every output is the one the engine gives without a budget."""
+    model = build("llama")
+    prompts = [list(range(5, 40)), [20, 21, 22, 20, 21, 22, 20], list(range(30, 75)), [7, 8, 7, 8, 7, 8]]
+
+    def run(budget):
+        proposer = None
+        if kind == "eagle":
+            proposer = EagleProposer(
+                random_head(model), model, top_k=2, depth=3, total_tokens=5, max_batch_size=4
+            )
+        engine = Engine(Target(model), max_batch_size=4, proposer=proposer, prefill_chunk_size=8,
+                        max_prefill_tokens=budget)  # fmt: skip
+        ids = [engine.add_request(p, max_new_tokens=10, eos_token_id=[]) for p in prompts]
+        prefilled, prompt_tokens = dict.fromkeys(ids, 0), []
+        while engine.has_unfinished():
+            pending = [i for i, p in zip(ids, prompts, strict=True) if prefilled[i] < len(p)]
+            engine.step()
+            chunks = engine.last_step.plan.batch.chunk_len
+            assert list(chunks) == pending[: len(chunks)]  # the oldest prompts first, none skipped
+            prompt_tokens.append(sum(chunks.values()))
+            for i, n in chunks.items():
+                prefilled[i] += n
+        return [engine.pop(i).output for i in ids], prompt_tokens
+
+    free, free_tokens = run(None)
+    bounded, tokens = run(12)
+    assert bounded == free
+    assert max(free_tokens) == 8 + 7 + 8 + 6 and max(tokens) == 12  # every first chunk at once, or 12
+    assert sum(tokens) == sum(map(len, prompts))
+    with pytest.raises(ValueError, match="max_prefill_tokens must be an int >= 1 or None, got 0"):
+        Engine(Target(model), max_prefill_tokens=0)

@@ -64,6 +64,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-model-len", type=int, default=None,
                        help="prompt + new tokens per request (default: the engine's default for the model)")  # fmt: skip
     serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per step per request")
+    serve.add_argument("--max-prefill-tokens", type=int, default=128,
+                       help="prompt tokens per step across requests, the oldest prompts first: bounds how long a "
+                            "prefill holds up the requests that decode (0: no bound)")  # fmt: skip
     serve.add_argument("--dtype", choices=sorted(models.DTYPES), default="bf16", help="the model's dtype")
     serve.add_argument(
         "--served-model-name", default=None, help="the name clients pass as model (default: MODEL)"
@@ -82,9 +85,10 @@ def _serve(args: argparse.Namespace) -> int:
     from treespec.serve import ServeConfig
     from treespec.serve.server import serve
 
-    serve(ServeConfig(args.model, args.host, args.port, args.proposer, args.max_batch, args.api_key,
-                      args.max_model_len, args.prefill_chunk, args.dtype, args.served_model_name,
-                      args.budget))  # fmt: skip
+    serve(ServeConfig(args.model, host=args.host, port=args.port, proposer=args.proposer, max_batch=args.max_batch,
+                      api_key=args.api_key, max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk,
+                      dtype=args.dtype, served_model_name=args.served_model_name, budget=args.budget,
+                      max_prefill_tokens=args.max_prefill_tokens or None))  # fmt: skip
     return EXIT_OK
 
 

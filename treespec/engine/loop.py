@@ -49,6 +49,7 @@ class Engine:
         proposer: Proposer | None = None,
         debug: bool | None = None,
         sampler: str = "hf",
+        max_prefill_tokens: int | None = None,
     ) -> None:
         """``max_batch_size`` requests run at once (fewer if the proposer holds fewer: its
         ``max_batch_size``); the rest wait. ``generator`` must live on the target's device.
@@ -60,8 +61,19 @@ class Engine:
         verification has its own rule either way.
         ``debug`` (default: the environment variable ``TREESPEC_DEBUG=1``) runs the full,
         host-side check of every proposed tree and of verification's inputs each step; without
-        it a step runs one cheap tensor check of what a proposer returned."""
+        it a step runs one cheap tensor check of what a proposer returned.
+        ``max_prefill_tokens`` bounds the prompt tokens a step runs across requests (each still at
+        most ``prefill_chunk_size``): prompts are prefilled in admission order within it, and a
+        prompt left out waits for a later step, so a step that also decodes stays short (vLLM's
+        ``max_num_batched_tokens``, a server's inter-token latency). None: every prefilling
+        request runs its chunk every step."""
         _check_engine_args(target, max_batch_size, prefill_chunk_size, generator, proposer, sampler)
+        if max_prefill_tokens is not None and (
+            not isinstance(max_prefill_tokens, int)
+            or isinstance(max_prefill_tokens, bool)
+            or max_prefill_tokens < 1
+        ):
+            raise ValueError(f"max_prefill_tokens must be an int >= 1 or None, got {max_prefill_tokens!r}")
         if max_len is None:
             max_len = default_max_len(target.max_context)
         self.target = target
@@ -83,6 +95,7 @@ class Engine:
         self.max_len = max_len
         self.cache = target.new_cache(self.max_running, max_len + self.max_tree_nodes)
         self.prefill_chunk_size = prefill_chunk_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.generator = generator
         self.sampler = sampler
         self.debug = os.environ.get("TREESPEC_DEBUG") == "1" if debug is None else debug
@@ -275,9 +288,11 @@ class Engine:
         decoding = tuple(r for r in self._running if not r.prefilling)
         trees, suspect = self._propose(decoding)
         timer.mark()
-        batch = self._build_step(trees)
-        finishing = tuple(r for r in self._running if r.prefilling and batch.finishes_prefill(r))
-        return StepPlan(tuple(self._running), finishing, decoding, trees, suspect, batch)
+        chunks = self._chunks()
+        running = tuple(r for r in self._running if not r.prefilling or r.request_id in chunks)
+        batch = StepBatch.build(list(running), chunks, trees, self.target.device)
+        finishing = tuple(r for r in running if r.prefilling and batch.finishes_prefill(r))
+        return StepPlan(running, finishing, decoding, trees, suspect, batch)
 
     def _score(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's forward over the step's rows: (its logits, the features the proposer
@@ -400,20 +415,24 @@ class Engine:
             for r in decoding
         ]
 
-    def _build_step(self, trees: TokenTree | None) -> StepBatch:
-        """Flatten prefill chunks (chains) and decoding trees into one ragged batch.
-
-        Rows that need logits: the last row of a final prefill chunk (it predicts the first new
-        token), then every node of every tree (the verifier reads them all).
-        """
+    def _chunks(self) -> dict[int, list[int]]:
+        """This step's prompt chunk of each prefilling request that runs: at most
+        ``prefill_chunk_size`` tokens each, in admission order until ``max_prefill_tokens`` are
+        taken (the requests past it wait; the first always runs: prompts move on).
+        :class:`StepBatch` flattens them with the decoding trees into one ragged batch."""
         chunks: dict[int, list[int]] = {}
+        left = self.max_prefill_tokens
         for request in self._running:
-            if request.prefilling:
-                size = self.prefill_chunk_size or len(request.prompt)
-                chunks[request.request_id] = request.prompt[
-                    request.num_prefilled : request.num_prefilled + size
-                ]
-        return StepBatch.build(self._running, chunks, trees, self.target.device)
+            if not request.prefilling or (left is not None and left < 1):
+                continue
+            size = self.prefill_chunk_size or len(request.prompt)
+            if left is not None:
+                size = min(size, left)
+            chunk = request.prompt[request.num_prefilled : request.num_prefilled + size]
+            chunks[request.request_id] = chunk
+            if left is not None:
+                left -= len(chunk)
+        return chunks
 
     def _append(self, request: Request, tokens: list[int]) -> list[int]:
         """Append the step's committed tokens to the request's output, cut at EOS,

@@ -27,6 +27,7 @@ class ServeConfig:
     dtype: str = "bf16"
     served_model_name: str | None = None
     budget: str = "adaptive"  # named proposers: "adaptive", "fixed" (their own trees) or "N" nodes a step
+    max_prefill_tokens: int | None = 128  # prompt tokens per step across requests (None: no bound)
 
     def __post_init__(self) -> None:
         names = self.proposers
@@ -48,6 +49,8 @@ class ServeConfig:
             raise ValueError(f"budget must be adaptive, fixed or a node count 1..31, got {self.budget!r}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
 
     @property
     def proposers(self) -> tuple[str, ...]:

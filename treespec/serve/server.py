@@ -38,7 +38,7 @@ def build(config: ServeConfig):
     else:
         proposer = parts.proposer(config.proposer)
     engine = Engine(target, max_batch_size=config.max_batch, max_len=max_len, prefill_chunk_size=config.prefill_chunk,
-                    proposer=proposer)  # fmt: skip
+                    proposer=proposer, max_prefill_tokens=config.max_prefill_tokens)  # fmt: skip
     runner = EngineRunner(engine, names[0] if proposer is not None else "none", router)
     name = config.served_model_name or config.model
     server = ServerConfig(name, tuple(_default_eos(parts.model)), max_len, target.vocab_size, config.api_key,
@@ -60,6 +60,7 @@ def serve(config: ServeConfig) -> None:
         raise SystemExit(f"treespec: the server could not start on {config.host}:{config.port}")
     print(f"treespec: serving {config.served_model_name or config.model} on http://{config.host}:{config.port}/v1 "
           f"(proposer {config.proposer}, up to {config.max_batch} requests at once)", flush=True)  # fmt: skip
+
     def stop(signum, frame) -> None:  # SIGTERM ends the server as Ctrl-C does
         raise KeyboardInterrupt
 

@@ -395,3 +395,46 @@ def test_the_command_serves_and_stops_on_sigterm(tiny_folder):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_a_failing_step_is_told_to_its_requests_and_a_waiting_client_that_leaves_is_aborted(tiny_folder):
+    """An engine step that raises ends every open request with the error (a 500 for a whole
+    completion, an error event in a stream) and the server goes on serving; a client that stops
+    waiting for a whole completion is aborted within about half a second, its slot freed."""
+    live = LiveServer(tiny_folder, proposer="none")
+    engine = live.runner.engine
+    step = engine.step
+    try:
+        engine.step = lambda: (_ for _ in ()).throw(RuntimeError("a broken kernel"))
+        with pytest.raises(openai.InternalServerError, match="(?s)the engine failed.*a broken kernel"):
+            live.client.completions.create(model=live.config.model, prompt="hi", max_tokens=4, temperature=0)
+        with httpx.stream("POST", live.url + "/v1/completions", json={
+            "prompt": "hi", "max_tokens": 4, "temperature": 0, "stream": True,
+        }) as response:  # fmt: skip
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        assert "a broken kernel" in events[-1]["error"]["message"]
+
+        def slow_step():  # 20 ms a step: a whole completion of 400 tokens takes seconds
+            time.sleep(0.02)
+            return step()
+
+        engine.step = slow_step
+        before = live.metrics()["treespec_requests_aborted_total"]
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 400, "temperature": 0},
+                       timeout=0.3)  # fmt: skip
+        deadline = time.time() + 10
+        while live.metrics()["treespec_requests_aborted_total"] == before:
+            assert time.time() < deadline, "the request was not aborted"
+            time.sleep(0.05)
+        assert (
+            live.metrics()["treespec_requests_running"] == 0 and engine.cache.num_free == engine.max_running
+        )
+        engine.step = step
+        got = live.client.completions.create(
+            model=live.config.model, prompt="hi", max_tokens=4, temperature=0
+        )
+        assert got.usage.completion_tokens >= 1
+    finally:
+        engine.step = step
+        live.close()

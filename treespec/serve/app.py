@@ -314,22 +314,35 @@ class Reply:
 
 
 async def _whole(runner: EngineRunner, stream: TokenStream, cut: TextCut, reply: Reply, request: Request):
-    """Wait for the whole completion; a client that goes away meanwhile aborts it."""
+    """Wait for the whole completion; a client that goes away meanwhile aborts it (between the
+    engine's steps). The disconnect is read from the ASGI channel as a streaming response reads
+    it: Starlette's ``is_disconnected`` polls with a cancelled scope and never saw uvicorn's."""
     text, count = "", 0
-    while True:
-        try:
-            delta = await asyncio.wait_for(stream.next(), timeout=0.5)
-        except TimeoutError:
-            if await request.is_disconnected():
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        while True:
+            step = asyncio.ensure_future(stream.next())
+            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
                 runner.abort(stream)
                 return JSONResponse({}, status_code=499)
-            continue
-        if delta.error is not None:
-            return _error(500, f"the engine failed: {delta.error}", None, "server_error")
-        count += len(delta.tokens)
-        text += cut.add(delta.tokens, final=delta.finish_reason is not None)
-        if delta.finish_reason is not None:
-            return JSONResponse(reply.whole(text, FINISH.get(delta.finish_reason, "stop"), count))
+            delta = step.result()
+            if delta.error is not None:
+                return _error(500, f"the engine failed: {delta.error}", None, "server_error")
+            count += len(delta.tokens)
+            text += cut.add(delta.tokens, final=delta.finish_reason is not None)
+            if delta.finish_reason is not None:
+                return JSONResponse(reply.whole(text, FINISH.get(delta.finish_reason, "stop"), count))
+    finally:
+        gone.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has gone (the request's body is read: the next ASGI message is
+    the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream(runner: EngineRunner, stream: TokenStream, cut: TextCut, reply: Reply, usage: bool

@@ -313,26 +313,34 @@ def test_one_default_context_and_requests_longer_than_a_proposer_holds_are_refus
 
 
 class Recorder(WrappingProposer):
-    """Wraps a proposer and records every request id it is asked about, fed, or told to forget."""
+    """Wraps a proposer and records, per call, every request id it is asked about, fed, or told
+    to forget (``seen``: all of them)."""
 
     def __init__(self, inner: Proposer):
         super().__init__(inner)
-        self.seen: set[int] = set()
+        self.proposed: set[int] = set()
+        self.observed: set[int] = set()
+        self.prefilled: set[int] = set()
+        self.released: set[int] = set()
+
+    @property
+    def seen(self) -> set[int]:
+        return self.proposed | self.observed | self.prefilled | self.released
 
     def propose(self, requests):
-        self.seen |= {r.request_id for r in requests}
+        self.proposed |= {r.request_id for r in requests}
         return self.proposer.propose(requests)
 
     def observe(self, result):
-        self.seen |= {r.request_id for r in result.requests}
+        self.observed |= {r.request_id for r in result.requests}
         self.proposer.observe(result)
 
     def observe_prefill(self, request_id, tokens, hidden):
-        self.seen.add(request_id)
+        self.prefilled.add(request_id)
         self.proposer.observe_prefill(request_id, tokens, hidden)
 
     def release(self, request_id):
-        self.seen.add(request_id)
+        self.released.add(request_id)
         self.proposer.release(request_id)
 
 

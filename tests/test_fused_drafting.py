@@ -265,6 +265,19 @@ def test_a_catch_up_that_does_not_fit_its_requests_is_refused():
             p.fused.draft_tree(p.embed.weight, p.lm_head.weight, p._column_ids, p.cache, ([p._slot[0]], [3]), None,
                                (2, 3, 5), (tokens, torch.zeros(rows, hidden, dtype=torch.bfloat16), counts))  # fmt: skip
     assert p.cache.lengths == before
+    # an EAGLE-3 head fuses the target's three layers: features of one layer's width are refused
+    _, head3 = bf16_pair(eagle3=True)
+    p3 = EagleProposer(head3, model, top_k=2, depth=3, total_tokens=5)
+    one_layer = torch.zeros(1, hidden, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"a catch-up's features need width {3 * hidden}, got {hidden}"):
+        p3.fused.draft_tree(p3.embed.weight, p3._readout_weight, p3._column_ids, p3.cache, ([0], [3]), None,
+                            (2, 3, 5), ([5], one_layer, [1]))  # fmt: skip
+    rows = (torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.tensor([1]))
+    with pytest.raises(ValueError, match=f"expected features of width {3 * hidden}, got {hidden}"):
+        p3.fused.forward(one_layer, one_layer, torch.tensor([0]), p3.cache, rows, None, from_target=True)
+    with pytest.raises(ValueError, match=f"expected features of width {hidden}, got {3 * hidden}"):
+        p3.fused.forward(one_layer, torch.zeros(1, 3 * hidden, dtype=torch.bfloat16), torch.tensor([0]), p3.cache,
+                         rows, None)  # fmt: skip
 
 
 @needs_kernels

@@ -6,41 +6,14 @@ import pytest
 import torch
 from conftest import build
 from test_eagle import random_head
+from test_engine import Recorder
 
 from treespec import Engine, generate
 from treespec.proposers import EagleProposer, NgramProposer, RoutedProposer
-from treespec.proposers.base import WrappingProposer
 from treespec.sampling import SamplingParams
 from treespec.target import Target
 
 PROMPTS = [list(range(5, 12)) * 2, [20, 21, 22, 20, 21, 22, 20], list(range(30, 45)), [7, 8, 7, 8, 7, 8]]
-
-
-class Seen(WrappingProposer):
-    """Records the request ids each call names."""
-
-    def __init__(self, proposer) -> None:
-        super().__init__(proposer)
-        self.proposed: set[int] = set()
-        self.observed: set[int] = set()
-        self.prefilled: set[int] = set()
-        self.released: set[int] = set()
-
-    def propose(self, requests):
-        self.proposed |= {r.request_id for r in requests}
-        return self.proposer.propose(requests)
-
-    def observe(self, result):
-        self.observed |= {r.request_id for r in result.requests}
-        self.proposer.observe(result)
-
-    def observe_prefill(self, request_id, tokens, hidden):
-        self.prefilled.add(request_id)
-        self.proposer.observe_prefill(request_id, tokens, hidden)
-
-    def release(self, request_id):
-        self.released.add(request_id)
-        self.proposer.release(request_id)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -55,7 +28,7 @@ def test_each_request_drafts_with_its_member_and_keeps_its_output(temperature):
     def eagle():
         return EagleProposer(random_head(model), model, top_k=2, depth=3, total_tokens=5, max_batch_size=4)
 
-    members = {"ngram": Seen(NgramProposer(max_depth=3)), "eagle": Seen(eagle())}
+    members = {"ngram": Recorder(NgramProposer(max_depth=3)), "eagle": Recorder(eagle())}
     router = RoutedProposer(members, default="ngram")
     engine = Engine(Target(model), max_batch_size=4, proposer=router, prefill_chunk_size=4)
     routes = ["eagle", "ngram", "eagle", None]

@@ -362,7 +362,7 @@ def test_bench_head_cost_times_each_head_kind_at_both_budgets(tmp_path, monkeypa
 def test_serve_load_picks_prompts_across_the_file_and_tabulates_vllms_results(tmp_path):
     """scripts/serve_load.py's own parts (the servers and vLLM's client need the peers): the
     prompts spread over the file, the commands of each server, and the table from vLLM's result
-    JSON (its p50 as median_* where no p50_* was asked for)."""
+    JSON (the p50 and p99 the client is asked for)."""
     load = _script("serve_load")
     source = tmp_path / "spec.jsonl"
     source.write_text("".join(json.dumps({"turns": [f"q{i}", "second"]}) + "\n" for i in range(10)))
@@ -377,9 +377,9 @@ def test_serve_load_picks_prompts_across_the_file_and_tabulates_vllms_results(tm
     assert "-np" in load.server_command("llama", 8100, tmp_path, 4)[0]
     with pytest.raises(ValueError, match="servers are treespec-PROPOSER, vllm or llama"):
         load.server_command("sglang", 8100, tmp_path, 4)
-    result = {"completed": 32, "output_throughput": 151.25, "request_throughput": 1.5, "median_ttft_ms": 80.0,
+    result = {"completed": 32, "output_throughput": 151.25, "request_throughput": 1.5, "p50_ttft_ms": 80.0,
               "p99_ttft_ms": 300.0, "p50_itl_ms": 40.0, "median_itl_ms": 41.0, "p99_itl_ms": 90.5,
-              "median_tpot_ms": 20.0, "p99_tpot_ms": 30.0}  # fmt: skip
+              "p50_tpot_ms": 20.0, "p99_tpot_ms": 30.0}  # fmt: skip
     rows = load.summarize({"vllm-c8": result})
     assert rows == [{"run": "vllm-c8", "completed": 32, "output_tok_s": 151.25, "req_s": 1.5, "ttft_p50_ms": 80.0,
                      "ttft_p99_ms": 300.0, "tpot_p50_ms": 20.0, "tpot_p99_ms": 30.0, "itl_p50_ms": 40.0,

@@ -65,7 +65,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="prompt + new tokens per request (default: the engine's default for the model)")  # fmt: skip
     serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per step per request")
     serve.add_argument("--max-prefill-tokens", type=int, default=128,
-                       help="prompt tokens per step across requests, the oldest prompts first: bounds how long a "
+                       help="prompt tokens per step across requests, in admission order: bounds how long a "
                             "prefill holds up the requests that decode (0: no bound)")  # fmt: skip
     serve.add_argument("--dtype", choices=sorted(models.DTYPES), default="bf16", help="the model's dtype")
     serve.add_argument(

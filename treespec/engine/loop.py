@@ -63,17 +63,13 @@ class Engine:
         host-side check of every proposed tree and of verification's inputs each step; without
         it a step runs one cheap tensor check of what a proposer returned.
         ``max_prefill_tokens`` bounds the prompt tokens a step runs across requests (each still at
-        most ``prefill_chunk_size``): prompts are prefilled in admission order within it, and a
-        prompt left out waits for a later step, so a step that also decodes stays short (vLLM's
+        most ``prefill_chunk_size``): prompts are prefilled in the running order within it (admission
+        order, requests that speculate before those that do not), and a prompt left out waits for a
+        later step, so a step that also decodes stays short (vLLM's
         ``max_num_batched_tokens``, a server's inter-token latency). None: every prefilling
         request runs its chunk every step."""
-        _check_engine_args(target, max_batch_size, prefill_chunk_size, generator, proposer, sampler)
-        if max_prefill_tokens is not None and (
-            not isinstance(max_prefill_tokens, int)
-            or isinstance(max_prefill_tokens, bool)
-            or max_prefill_tokens < 1
-        ):
-            raise ValueError(f"max_prefill_tokens must be an int >= 1 or None, got {max_prefill_tokens!r}")
+        _check_engine_args(target, max_batch_size, prefill_chunk_size, max_prefill_tokens, generator, proposer,
+                           sampler)  # fmt: skip
         if max_len is None:
             max_len = default_max_len(target.max_context)
         self.target = target
@@ -417,7 +413,7 @@ class Engine:
 
     def _chunks(self) -> dict[int, list[int]]:
         """This step's prompt chunk of each prefilling request that runs: at most
-        ``prefill_chunk_size`` tokens each, in admission order until ``max_prefill_tokens`` are
+        ``prefill_chunk_size`` tokens each, in the running order until ``max_prefill_tokens`` are
         taken (the requests past it wait; the first always runs: prompts move on).
         :class:`StepBatch` flattens them with the decoding trees into one ragged batch."""
         chunks: dict[int, list[int]] = {}
@@ -466,6 +462,7 @@ def _check_engine_args(
     target: Target,
     max_batch_size: int,
     prefill_chunk_size: int | None,
+    max_prefill_tokens: int | None,
     generator: torch.Generator | None,
     proposer: Proposer | None,
     sampler: str,
@@ -473,6 +470,12 @@ def _check_engine_args(
     """Refuse, by name, what an Engine cannot run with."""
     if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
         raise ValueError(f"prefill_chunk_size must be an int >= 1 or None, got {prefill_chunk_size!r}")
+    if max_prefill_tokens is not None and (
+        not isinstance(max_prefill_tokens, int)
+        or isinstance(max_prefill_tokens, bool)
+        or max_prefill_tokens < 1
+    ):
+        raise ValueError(f"max_prefill_tokens must be an int >= 1 or None, got {max_prefill_tokens!r}")
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
     if proposer is not None and not isinstance(proposer, Proposer):

@@ -47,15 +47,15 @@ class Checker(WrappingProposer):
         for r in result.requests:
             proposed = self.trees.pop(r.request_id, None)
             if proposed is not None:  # a decoding step: the tree as proposed
-                assert (r.tree_tokens, r.tree_parents) == proposed
+                assert (list(r.tree_tokens), list(r.tree_parents)) == proposed
             else:  # the first token: the prompt's last token as a root-alone tree
-                assert r.tree_parents == [-1] and r.accepted == [0]
+                assert r.tree_parents == (-1,) and r.accepted == (0,)
             assert r.accepted[0] == 0
             for parent, child in itertools.pairwise(r.accepted):  # a root-to-node path
                 assert r.tree_parents[child] == parent
             # committed = the accepted drafted tokens then the bonus, cut at EOS / max_new_tokens
             drafted = [r.tree_tokens[n] for n in r.accepted[1:]]
-            assert r.committed[: len(drafted)] == drafted[: len(r.committed)]
+            assert list(r.committed[: len(drafted)]) == drafted[: len(r.committed)]
             assert r.hidden is None or r.hidden.shape[0] == len(r.committed)
             self.results.append(r)
         self.proposer.observe(result)

@@ -11,7 +11,7 @@ from treespec import Engine, SamplingParams, Target
 from treespec.engine.handover import HiddenHandover, committed_features
 from treespec.engine.picking import TokenPicker
 from treespec.engine.requests import Request
-from treespec.engine.step_batch import StepBatch, read_back
+from treespec.engine.step_batch import StepBatch, TreeOutcome, read_back
 from treespec.engine.step_state import STAGES, StepTimer
 from treespec.proposers import NgramProposer, Proposer
 from treespec.tree import TokenTree, chain_mask
@@ -77,9 +77,9 @@ def test_one_read_brings_back_first_tokens_kept_nodes_and_the_trees(on_device):
     table = picker.verify_table(decoding, trees, one_hot_logits([11, 5, 3]))
     first = picker.first_tokens([request(2, [1], 1)], one_hot_logits([9]))
     back = read_back(first, table, trees, None)
-    assert back.first_tokens == [9]
-    assert back.accepted == [[0, 1]] and back.committed == [[11, 5]]
-    assert back.tree_lists == [TREE] and back.suspect is False
+    assert back.first_tokens == (9,)
+    assert back.trees == (TreeOutcome(tuple(TREE[0]), tuple(TREE[1]), (0, 1), (11, 5)),)
+    assert back.suspect is False
     assert read_back(first, table, trees, torch.tensor(True)).suspect is True
 
 
@@ -88,7 +88,7 @@ def test_plain_decoding_picks_each_next_token_as_hf_does():
     decoding = [request(0, [1], 1, (4,)), request(1, [2], 1, (5,))]
     table = picker.verify_table(decoding, TokenTree.roots([4, 5]), one_hot_logits([7, 8]))
     back = read_back(torch.empty(0, dtype=torch.long), table, TokenTree.roots([4, 5]), None)
-    assert back.accepted == [[0], [0]] and back.committed == [[7], [8]]
+    assert [(o.accepted, o.committed) for o in back.trees] == [((0,), (7,)), ((0,), (8,))]
 
 
 @pytest.mark.parametrize("sampler", ["hf", "inverse-cdf"])
@@ -182,8 +182,11 @@ def test_the_engine_keeps_its_last_step_as_one_frozen_value():
     step = engine.last_step
     assert [r.request_id for r in step.plan.decoding] == [rid] and step.plan.trees is not None
     assert before + step.committed[rid][: 6 - len(before)] == engine.output(rid)
-    assert step.back.accepted[0][0] == 0 and len(step.back.accepted[0]) == len(step.back.committed[0])
+    (result,) = step.results  # one record per request
+    assert (
+        result.request_id == rid and result.accepted[0] == 0 and len(result.accepted) == len(result.committed)
+    )
     with pytest.raises(AttributeError):
-        step.back = None  # frozen
+        step.results = ()  # frozen
     assert engine.stats.steps == 3 and engine.stats.advance_s > 0
     assert engine.stats.step_s >= engine.stats.propose_s + engine.stats.forward_s + engine.stats.verify_s

@@ -268,11 +268,11 @@ class Engine:
         plan = self._plan(timer)
         logits, features = self._score(plan)
         timer.mark()
-        back = self._verify(plan, logits)
+        results = self._results(plan, self._verify(plan, logits), features)
         timer.mark()
-        self._commit(plan, back)
+        self._commit(plan, results)
         timer.mark()
-        step = Step(plan, back, features)
+        step = Step(plan, results, features)
         outputs = self._advance(step)
         timer.mark()
         self.last_step = replace(step, times=timer.times())
@@ -322,48 +322,56 @@ class Engine:
             raise ValueError("proposer returned a tree that does not match its requests")
         return back
 
-    def _commit(self, plan: StepPlan, back: StepReadback) -> None:
+    def _results(
+        self, plan: StepPlan, back: StepReadback, features: torch.Tensor | None
+    ) -> tuple[RequestResult, ...]:
+        """One record per request that produced tokens, built from the step's read: first the
+        requests whose prompt finished (the prompt's last token acts as a root-alone tree whose
+        row produced the first token), then the decoding requests' trees; each with the target's
+        features at its committed rows when the proposer reads them. Nothing is cut yet."""
+        finishing, decoding = list(plan.finishing), list(plan.decoding)
+        prefill_hidden: list = [None] * len(finishing)
+        decode_hidden: list = [None] * len(decoding)
+        if self._handover is not None:
+            accepted = [outcome.accepted for outcome in back.trees]
+            prefill_hidden, decode_hidden = committed_features(
+                features, plan.batch, list(plan.running), finishing, decoding, accepted
+            )
+        first = (
+            RequestResult(r.request_id, (r.prompt[-1],), (-1,), (0,), (token,), hidden)
+            for r, token, hidden in zip(finishing, back.first_tokens, prefill_hidden, strict=True)
+        )
+        trees = (
+            RequestResult(r.request_id, o.tree_tokens, o.tree_parents, o.accepted, o.committed, hidden)
+            for r, o, hidden in zip(decoding, back.trees, decode_hidden, strict=True)
+        )
+        return (*first, *trees)
+
+    def _commit(self, plan: StepPlan, results: tuple[RequestResult, ...]) -> None:
         """Keep in the cache every prefill chunk whole and each tree's accepted path."""
-        keep = plan.batch.prefill_accepted | {
-            r.request_id: nodes for r, nodes in zip(plan.decoding, back.accepted, strict=True)
-        }
+        trees = results[len(plan.finishing) :]
+        keep = plan.batch.prefill_accepted | {r.request_id: list(r.accepted) for r in trees}
         self.cache.commit([r.slot for r in plan.running], [keep[r.request_id] for r in plan.running])
 
     def _advance(self, step: Step) -> list[RequestOutput]:
-        """Move every request on by what the step committed, tell the proposer, retire the
-        finished requests; the step's outputs."""
-        plan, back = step.plan, step.back
+        """Move every request on by what the step committed, tell the proposer what each kept,
+        retire the finished requests; the step's outputs."""
+        plan = step.plan
         if self._handover is not None:
             self._handover.prefill(step.features, plan.batch, list(plan.running))
         for request in plan.running:
             if request.prefilling:
                 request.num_prefilled += plan.batch.chunk_len[request.request_id]
-        prefill_hidden: list = [None] * len(plan.finishing)
-        decode_hidden: list = [None] * len(plan.decoding)
-        if self._handover is not None:
-            prefill_hidden, decode_hidden = committed_features(
-                step.features, plan.batch, list(plan.running), list(plan.finishing), list(plan.decoding), back.accepted
-            )  # fmt: skip
-        outputs, results = [], []
-        # The prompt's last token acts as a root-alone tree: its row produced the first token.
-        for request, token, hidden in zip(plan.finishing, back.first_tokens, prefill_hidden, strict=True):
-            kept = self._append(request, [token])
+        outputs, observed = [], []
+        for i, (request, result) in enumerate(zip(plan.finishing + plan.decoding, step.results, strict=True)):
+            kept = self._append(request, list(result.committed))
+            if i >= len(plan.finishing):  # a tree's step
+                self.stats.accepted_lengths.setdefault(request.request_id, []).append(len(result.committed))
             outputs.append(RequestOutput(request.request_id, kept, request.finished, request.finish_reason))
-            results.append(RequestResult(request.request_id, [request.prompt[-1]], [-1], [0], kept,
-                                         _cut(hidden, kept)))  # fmt: skip
-        decoded = zip(
-            plan.decoding, back.tree_lists, back.accepted, back.committed, decode_hidden, strict=True
-        )
-        for request, (tree_tokens, tree_parents), nodes, tokens, hidden in decoded:
-            kept = self._append(request, tokens)
-            self.stats.accepted_lengths.setdefault(request.request_id, []).append(len(tokens))
-            outputs.append(RequestOutput(request.request_id, kept, request.finished, request.finish_reason))
-            results.append(RequestResult(request.request_id, tree_tokens, tree_parents, nodes, kept,
-                                         _cut(hidden, kept)))  # fmt: skip
-        speculating = {r.request_id for r in plan.running if r.speculate}
-        results = [result for result in results if result.request_id in speculating]
-        if self.proposer is not None and results:
-            self.proposer.observe(StepResult(results))
+            if request.speculate:
+                observed.append(replace(result, committed=tuple(kept), hidden=_cut(result.hidden, kept)))
+        if self.proposer is not None and observed:
+            self.proposer.observe(StepResult(observed))
         self._retire()
         return outputs
 

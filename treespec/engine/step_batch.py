@@ -118,15 +118,26 @@ def _mixed_mask(pieces: list[tuple[str, int, int]], trees: TokenTree, device: to
 
 
 @dataclass(frozen=True)
-class StepReadback:
-    """What the host learns from the step's one read (:func:`read_back`), per request:
-    the prompts' first tokens; each decoding request's kept node indices (root first) and
-    committed tokens; its tree's tokens and parents; and whether the proposal check failed."""
+class TreeOutcome:
+    """What verification made of one decoding request's tree, as the host reads it: the tree's
+    tokens and parents (node 0 the root), the kept node indices (the root first, then the
+    accepted path in order) and the committed tokens (the accepted drafts, then the bonus),
+    before any cut at EOS, a stop rule or the request's length."""
 
-    first_tokens: list[int]
-    accepted: list[list[int]]
-    committed: list[list[int]]
-    tree_lists: list[tuple[list[int], list[int]]]
+    tree_tokens: tuple[int, ...]
+    tree_parents: tuple[int, ...]
+    accepted: tuple[int, ...]
+    committed: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepReadback:
+    """What the host learns from the step's one read (:func:`read_back`): the first token of
+    each request whose prompt finished, one :class:`TreeOutcome` per decoding request, and
+    whether the proposal check failed."""
+
+    first_tokens: tuple[int, ...]
+    trees: tuple[TreeOutcome, ...]
     suspect: bool
 
 
@@ -149,20 +160,20 @@ def read_back(
     parts.append((suspect if suspect is not None else torch.zeros((), dtype=torch.bool)).long().view(1))
     flat = torch.cat([p.to(first.device) for p in parts]).tolist()  # host sync: the one per step
     at = len(first)
-    first_tokens = flat[:at]
-    accepted, committed, tree_lists = [], [], []
+    first_tokens = tuple(flat[:at])
+    outcomes: list[TreeOutcome] = []
     if table is not None:
         rows, width = table.shape
         chunk = flat[at : at + rows * width]
         at += rows * width
-        for nodes, tokens in parse_readback([chunk[i * width : (i + 1) * width] for i in range(rows)]):
-            accepted.append(nodes)
-            committed.append(tokens)
-        cu = trees.cu_list()
         if need_structure:
             n = trees.num_nodes
             tokens, parents = flat[at : at + n], flat[at + n : at + 2 * n]
         else:
             tokens, parents = trees.host.tokens, trees.host.parents
-        tree_lists = [(list(tokens[i:j]), list(parents[i:j])) for i, j in itertools.pairwise(cu)]
-    return StepReadback(first_tokens, accepted, committed, tree_lists, bool(flat[-1]))
+        kept = parse_readback([chunk[i * width : (i + 1) * width] for i in range(rows)])
+        for (i, j), (nodes, committed) in zip(itertools.pairwise(trees.cu_list()), kept, strict=True):
+            outcomes.append(
+                TreeOutcome(tuple(tokens[i:j]), tuple(parents[i:j]), tuple(nodes), tuple(committed))
+            )
+    return StepReadback(first_tokens, tuple(outcomes), bool(flat[-1]))

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from treespec.engine.requests import Request
-from treespec.engine.step_batch import StepBatch, StepReadback
+from treespec.engine.step_batch import StepBatch
+from treespec.proposers.base import RequestResult
 from treespec.tree import TokenTree
 
 STAGES = ("propose", "forward", "verify", "commit", "advance")
@@ -74,18 +75,17 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class Step:
-    """One step, done: its plan, what the step's one read brought back (the prompts' first
-    tokens, each tree's kept nodes and committed tokens), the features handed to the proposer
-    (None when it reads none) and the stage times."""
+    """One step, done: its plan, one record per request that produced tokens (``results``: the
+    requests whose prompt finished, then the decoding ones, as the step's one read brought them
+    back, before any cut at EOS or length), the features handed to the proposer (None when it
+    reads none) and the stage times."""
 
     plan: StepPlan
-    back: StepReadback
+    results: tuple[RequestResult, ...]
     features: torch.Tensor | None
     times: StepTimes | None = None
 
     @property
     def committed(self) -> dict[int, list[int]]:
         """Per request id, the tokens the step committed before any cut at EOS or length."""
-        first = {r.request_id: [t] for r, t in zip(self.plan.finishing, self.back.first_tokens, strict=True)}
-        decoded = {r.request_id: t for r, t in zip(self.plan.decoding, self.back.committed, strict=True)}
-        return first | decoded
+        return {result.request_id: list(result.committed) for result in self.results}

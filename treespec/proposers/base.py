@@ -59,7 +59,9 @@ class ProposalRequest:
 
 @dataclass(frozen=True)
 class RequestResult:
-    """What one step did for one request.
+    """What one step did for one request: the engine builds one per request from the step's
+    read (tuples), cuts ``committed`` and ``hidden`` where the request finished, and hands them
+    to ``observe``.
 
     The tree is the one the proposer returned for it. A request that has just finished its
     prefill reports the prompt's last token as a root-alone tree: its row produced the first
@@ -77,10 +79,10 @@ class RequestResult:
     """
 
     request_id: int
-    tree_tokens: list[int]
-    tree_parents: list[int]
-    accepted: list[int]
-    committed: list[int]
+    tree_tokens: Sequence[int]
+    tree_parents: Sequence[int]
+    accepted: Sequence[int]
+    committed: Sequence[int]
     hidden: torch.Tensor | None = None
 
     @property

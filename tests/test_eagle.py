@@ -457,13 +457,15 @@ def test_published_eagle_missing_tensors_and_unknown_layouts(tmp_path):
 
 def test_auto_proposer_uses_the_shipped_head_of_the_model(tmp_path, monkeypatch):
     """proposer="auto": the EAGLE head shipped for the model (recognised by its folder's name),
-    adaptive budget; the n-gram trie for a model without heads. The output stays exact."""
+    adaptive budget; the n-gram trie for a model without heads, under the same budget. The output
+    stays exact."""
     from treespec.auto import auto_proposer
     from treespec.budget import AdaptiveProposer
     from treespec.proposers import NgramProposer
 
     model, want = oracle_table(PROMPTS[:2], 8)("llama")
-    assert isinstance(auto_proposer(model), NgramProposer)
+    without = auto_proposer(model)  # no shipped heads: n-gram lookup under the same budget
+    assert isinstance(without, AdaptiveProposer) and isinstance(without.proposer, NgramProposer)
     random_head(model).save(tmp_path / "head")
     model.name_or_path = str(tmp_path / "tiny-llama")
     monkeypatch.setitem(heads_module.SHIPPED_FOR, "tiny-llama", {"eagle": "tiny-llama-eagle"})

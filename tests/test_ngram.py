@@ -344,3 +344,39 @@ def test_acceptances_grow_the_depth():
     assert drafted_depth(proposer.propose([request(context)])) > first
     with pytest.raises(ValueError, match="token_cost"):
         NgramProposer(token_cost=-1)
+
+
+def test_set_budget_sizes_the_next_trees_as_the_constructor_would():
+    """The adaptive budget (or a fixed ``--budget N``) sizes the trie: the same tree as a proposer
+    built with those sizes, never beyond the sizes given at construction."""
+    proposer = NgramProposer(max_depth=4, max_nodes=6)
+    assert proposer.has_budget
+    proposer.set_budget(2, depth=2)
+    assert propose_one(proposer, TRIE_CONTEXT) == propose_one(
+        NgramProposer(max_depth=2, max_nodes=2), TRIE_CONTEXT
+    )
+    proposer.set_budget(100, depth=100)  # clamped to the constructor's
+    assert propose_one(proposer, TRIE_CONTEXT) == propose_one(
+        NgramProposer(max_depth=4, max_nodes=6), TRIE_CONTEXT
+    )
+    assert proposer.max_tree_nodes == 7  # the cache is sized by the constructor's bound
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="num_nodes"):
+            proposer.set_budget(bad, depth=2)
+
+
+def test_the_adaptive_budget_keeps_n_gram_output_exact():
+    """n-gram lookup under the learning budget (as ``treespec bench`` and ``proposer="auto"``
+    without heads run it): greedy output equal to HF's, trees drafted on the repetitive prompt."""
+    from conftest import oracle_table
+
+    import treespec
+    from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel
+
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [20, 21, 22]]
+    model, want = oracle_table(prompts, 16)("llama")
+    ticks = iter(range(10**6))
+    proposer = AdaptiveProposer(NgramProposer(), BudgetChooser(CostModel([1, 8, 64], [1.0, 1.05, 1.5])),
+                                clock=lambda: float(next(ticks)))  # fmt: skip
+    out = treespec.generate(model, prompts, max_new_tokens=16, proposer=proposer)
+    assert out.sequences == want and max(proposer.chosen) > 0

@@ -4,8 +4,8 @@ The target is recognised by the folder it was loaded from (``treespec.models.loa
 after the registry entry, e.g. ``smollm2-135m-instruct``). The choice: the shipped EAGLE head on
 an EAGLE-2 dynamic tree of at most 31 drafted nodes whose size the adaptive budget picks each
 step (``treespec.budget``), the forward-cost curve measured once per target and batch size and,
-with it, the measured rates of steps with and without a tree kept across calls.
-Without shipped heads: the n-gram trie, which needs nothing.
+with it, what the budget learnt (:class:`treespec.budget.BudgetMemory`) kept across calls.
+Without shipped heads: the n-gram trie, which needs nothing, under the same budget.
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from treespec import heads
-from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel, StepThroughput
-from treespec.presets import EAGLE_TREE, NGRAM_TOKEN_COST, NGRAM_TREE
+from treespec.budget import AdaptiveProposer, BudgetChooser, BudgetMemory, CostModel
+from treespec.presets import EAGLE_TREE, NGRAM_TREE
 from treespec.proposers.base import Proposer
 from treespec.proposers.eagle import EagleProposer
 from treespec.proposers.ngram import NgramProposer
 from treespec.target import Target
 
 _COSTS: dict[tuple[int, int], CostModel] = {}  # (id(model), batch size) -> measured forward costs
-_RATES: dict[tuple[int, int], StepThroughput] = {}  # the same key -> step rates, with and without trees
+_MEMORY: dict[
+    tuple[int, int, str], BudgetMemory
+] = {}  # (id(model), batch size, proposer) -> what its budget learnt
 
 
 def model_name(model: PreTrainedModel) -> str:
@@ -36,12 +38,13 @@ def auto_proposer(
     """The proposer ``proposer="auto"`` picks, for ``batch_size`` requests of at most ``max_len``
     context tokens each (None: the default, ``treespec.target.cache.default_max_len``)."""
     shipped = heads.shipped_for(model_name(model))
-    if "eagle" not in shipped:
-        return NgramProposer(**NGRAM_TREE, token_cost=NGRAM_TOKEN_COST)
-    head = heads.load(shipped["eagle"], dtype=model.dtype, device=str(model.device))
     key = (id(model), batch_size)
     if key not in _COSTS:
         _COSTS[key] = CostModel.measure(target or Target(model), batch_size=batch_size, repeats=3)
-    eagle = EagleProposer(head, model, **EAGLE_TREE, max_batch_size=batch_size, max_len=max_len)
-    throughput = _RATES.setdefault(key, StepThroughput())
-    return AdaptiveProposer(eagle, BudgetChooser(_COSTS[key]), throughput=throughput)
+    if "eagle" in shipped:
+        head = heads.load(shipped["eagle"], dtype=model.dtype, device=str(model.device))
+        inner: Proposer = EagleProposer(head, model, **EAGLE_TREE, max_batch_size=batch_size, max_len=max_len)
+    else:
+        inner = NgramProposer(**NGRAM_TREE)
+    memory = _MEMORY.setdefault((*key, type(inner).__name__), BudgetMemory())
+    return AdaptiveProposer(inner, BudgetChooser(_COSTS[key]), memory=memory)

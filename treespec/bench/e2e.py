@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from treespec import heads
 from treespec.api import generate
-from treespec.budget import AdaptiveProposer, BudgetChooser, CostModel, StepThroughput
+from treespec.budget import AdaptiveProposer, BudgetChooser, BudgetMemory, CostModel
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
 from treespec.models import DEFAULT_MODEL, DTYPES, load
@@ -159,7 +159,7 @@ class Components:
         self.shipped = {**heads.shipped_for(config.model), **dict(config.heads)}
         self._heads: dict[str, object] = {}
         self.cost_model = None
-        self._throughput: dict[str, StepThroughput] = {}  # method -> measured step rates, kept across prompts
+        self._memory: dict[str, BudgetMemory] = {}  # method -> what its budget learnt, kept across prompts
 
     def head(self, kind: str, *, for_what: str):
         key = (kind, for_what == "hf-assisted")  # HF's copy and treespec's each get their own
@@ -182,15 +182,16 @@ class Components:
         return BudgetChooser(self.cost_model)
 
     def proposer(self, method: str):
-        """A fresh proposer for one run of ``method`` (None for the autoregressive reference).
-        Fresh, not kept across prompts: kept, the heads' acceptance learned on earlier prompts
-        chose larger trees that lost (docs/results/). What the machine taught (the cost curve,
-        and per method the measured rates of steps with and without a tree) is kept."""
+        """A fresh proposer for one run of ``method`` (None for the autoregressive reference);
+        what its budget learnt on earlier runs (the cost curve, and per method the acceptance
+        statistics, faded step by step, the measured rates of steps with and without a tree, the
+        drafting times and the probe schedule: :class:`treespec.budget.BudgetMemory`) is kept,
+        as a server's proposer keeps it from request to request."""
         batch = self.config.batch_size
         if method == "none":
             return None
-        if method == "ngram":
-            return NgramProposer(**NGRAM_TREE, token_cost=self.token_cost())
+        if method == "ngram":  # a tree the budget sizes, as the heads' (its own depth rule off)
+            return self._adaptive(NgramProposer(**NGRAM_TREE), method)
         linear = self.config.linear_backend  # heads read out with the target's linear backend
         attention = self.config.attention_backend  # EAGLE heads and draft models attend with it
         readout = self._readout("eagle") if method in ("eagle", "hybrid") else None
@@ -245,8 +246,8 @@ class Components:
             nodes = int(self.config.budget)
             proposer.set_budget(nodes, depth=nodes)  # as deep as the nodes allow, within the proposer's depth
             return proposer
-        throughput = self._throughput.setdefault(method, StepThroughput())
-        return AdaptiveProposer(proposer, self.budget_chooser(), throughput=throughput)
+        memory = self._memory.setdefault(method, BudgetMemory())
+        return AdaptiveProposer(proposer, self.budget_chooser(), memory=memory)
 
 
 def run_method(components: Components, method: str, prompts: list[list[int]], generator_seed: int) -> dict:

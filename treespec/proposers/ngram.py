@@ -161,6 +161,18 @@ class NgramProposer(Proposer):
             max_nodes, drafted_bound
         )  # root included; the engine sizes its cache by it
         self._indexes: dict[int, _NgramIndex] = {}
+        self._budget = (max_nodes, max_depth)  # (nodes, depth) drafted from now on: set_budget
+
+    has_budget = True
+
+    def set_budget(self, num_nodes: int, depth: int) -> None:
+        """Draft at most ``num_nodes`` nodes, ``depth`` deep, from the next step on (within the
+        ``max_nodes`` and ``max_depth`` given at construction): the adaptive budget's sizes, or
+        a fixed tree smaller than the proposer's own."""
+        for name, value in (("num_nodes", num_nodes), ("depth", depth)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self._budget = (min(num_nodes, self.max_nodes), min(depth, self.max_depth))
 
     @property
     def indexed_requests(self) -> list[int]:
@@ -216,7 +228,8 @@ class NgramProposer(Proposer):
         context = request.tokens
         if not context:
             raise ValueError(f"request {request.request_id} has no tokens: its root is tokens[-1]")
-        depth = min(self.max_depth, request.max_new - 1)  # the bonus token always comes on top
+        max_nodes, max_depth = self._budget
+        depth = min(max_depth, request.max_new - 1)  # the bonus token always comes on top
         depth = self._affordable_depth(request.request_id, depth)
         index = self._index_for(request)  # kept current even when nothing is drafted
         if depth < 1:
@@ -224,7 +237,7 @@ class NgramProposer(Proposer):
         num_matches = self.max_matches if self.tree else 1
         ends = self._match_ends(index, num_matches)
         continuations = [context[p + 1 : p + 1 + depth] for p in ends]
-        return build_trie(context[-1], continuations, self.max_nodes)
+        return build_trie(context[-1], continuations, max_nodes)
 
     def _index_for(self, request: ProposalRequest) -> _NgramIndex:
         """The request's index, brought up to ``request.tokens`` (built or rebuilt as needed)."""

@@ -457,3 +457,37 @@ def test_a_prefill_budget_bounds_each_steps_prompt_tokens_and_keeps_the_output(k
     assert sum(tokens) == sum(map(len, prompts))
     with pytest.raises(ValueError, match="max_prefill_tokens must be an int >= 1 or None, got 0"):
         Engine(Target(model), max_prefill_tokens=0)
+
+
+class FailsOn(WrappingProposer):
+    """Raises whenever it is asked for a tree for request ``bad`` (alone or in a batch)."""
+
+    def __init__(self, inner, bad):
+        super().__init__(inner)
+        self.bad = bad
+
+    def propose(self, requests):
+        if any(r.request_id == self.bad for r in requests):
+            raise IndexError(f"no draft for request {self.bad}")
+        return self.proposer.propose(requests)
+
+
+def test_a_proposer_that_raises_fails_only_its_request_and_names_the_error():
+    """The proposer raises on request 1's context: request 1 ends with finish reason "error" and
+    the exception named; requests 0 and 2 go on in the same steps with their exact output;
+    ``generate`` refuses to return a cut output."""
+    model = build("llama")
+    engine = Engine(Target(model), proposer=FailsOn(NgramProposer(), bad=1), max_batch_size=3)
+    ids = [engine.add_request(p, max_new_tokens=10) for p in PROMPTS]
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished[ids[1]].finish_reason == "error"
+    assert "FailsOn.propose raised IndexError: no draft for request 1" in finished[ids[1]].error
+    for n in (0, 2):
+        assert finished[ids[n]].finish_reason == "length"
+        assert engine.output(ids[n]) == hf_greedy(model, PROMPTS[n], 10)
+    with pytest.raises(RuntimeError, match="prompt 1 failed .*IndexError"):
+        treespec.generate(model, PROMPTS, max_new_tokens=10, proposer=FailsOn(NgramProposer(), bad=1))

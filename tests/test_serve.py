@@ -438,3 +438,25 @@ def test_a_failing_step_is_told_to_its_requests_and_a_waiting_client_that_leaves
     finally:
         engine.step = step
         live.close()
+
+
+def test_a_proposer_that_raises_fails_its_request_with_the_error_and_the_server_goes_on(tiny_folder):
+    """Drafting that raises for one request ends that request with a 500 naming the proposer's
+    error (the engine's finish reason "error"), not the whole server; the next request runs."""
+    live = LiveServer(tiny_folder, proposer="ngram")
+    proposer = live.runner.engine.proposer
+    propose = proposer.propose
+    try:
+        proposer.propose = lambda requests: (_ for _ in ()).throw(KeyError("a lost index"))
+        with pytest.raises(openai.InternalServerError, match="(?s)the engine failed.*KeyError.*a lost index"):
+            live.client.completions.create(
+                model=live.config.model, prompt="1 2 1 2", max_tokens=6, temperature=0
+            )
+        proposer.propose = propose
+        got = live.client.completions.create(
+            model=live.config.model, prompt="1 2 1 2", max_tokens=6, temperature=0
+        )
+        assert got.usage.completion_tokens >= 1
+    finally:
+        proposer.propose = propose
+        live.close()

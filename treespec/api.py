@@ -189,7 +189,12 @@ def generate(
         for p, params in zip(prompts, per_prompt, strict=True)
     ]
     _run(engine, streamer, prompts[0])
-    sequences = [engine.pop(i).output for i in ids]
+    done = [engine.pop(i) for i in ids]
+    failed = [(n, r.error) for n, r in enumerate(done) if r.finish_reason == "error"]
+    if failed:  # its output stopped short: returning it would be silently wrong
+        n, error = failed[0]
+        raise RuntimeError(f"prompt {n} failed ({len(failed)} of {len(ids)} prompts): {error}")
+    sequences = [r.output for r in done]
     return GenerationOutput(
         sequences, GenerationStats.from_engine(ids, engine.stats, time.perf_counter() - start)
     )

@@ -266,6 +266,9 @@ class Engine:
         if not self._running:
             return []
         plan = self._plan(timer)
+        if not plan.running:
+            self._retire()
+            return self._failed_outputs(plan)
         logits, features = self._score(plan)
         timer.mark()
         results = self._results(plan, self._verify(plan, logits), features)
@@ -284,11 +287,17 @@ class Engine:
         decoding = tuple(r for r in self._running if not r.prefilling)
         trees, suspect = self._propose(decoding)
         timer.mark()
+        failed = tuple(r for r in decoding if r.finished)  # its drafting raised: it leaves now
+        decoding = tuple(r for r in decoding if not r.finished)
         chunks = self._chunks()
-        running = tuple(r for r in self._running if not r.prefilling or r.request_id in chunks)
+        running = tuple(
+            r for r in self._running if not r.finished and (not r.prefilling or r.request_id in chunks)
+        )
+        if not running:  # every request of the step failed in drafting: nothing to score
+            return StepPlan((), (), (), None, None, None, failed)
         batch = StepBatch.build(list(running), chunks, trees, self.target.device)
         finishing = tuple(r for r in running if r.prefilling and batch.finishes_prefill(r))
-        return StepPlan(running, finishing, decoding, trees, suspect, batch)
+        return StepPlan(running, finishing, decoding, trees, suspect, batch, failed)
 
     def _score(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's forward over the step's rows: (its logits, the features the proposer
@@ -362,7 +371,8 @@ class Engine:
         for request in plan.running:
             if request.prefilling:
                 request.num_prefilled += plan.batch.chunk_len[request.request_id]
-        outputs, observed = [], []
+        outputs = self._failed_outputs(plan)
+        observed = []
         for i, (request, result) in enumerate(zip(plan.finishing + plan.decoding, step.results, strict=True)):
             kept = self._append(request, list(result.committed))
             if i >= len(plan.finishing):  # a tree's step
@@ -374,6 +384,10 @@ class Engine:
             self.proposer.observe(StepResult(observed))
         self._retire()
         return outputs
+
+    @staticmethod
+    def _failed_outputs(plan: StepPlan) -> list[RequestOutput]:
+        return [RequestOutput(r.request_id, [], True, r.finish_reason, r.error) for r in plan.failed]
 
     def _admit(self) -> None:
         while self._waiting and self.cache.num_free and len(self._running) < self.max_running:
@@ -398,7 +412,15 @@ class Engine:
         if len(plain) == len(decoding):
             return TokenTree.roots([r.output[-1] for r in decoding]).to(self.target.device), None
         asks = self._asks(decoding[: len(decoding) - len(plain)])
-        tree = self.proposer.propose(asks)
+        try:
+            tree = self.proposer.propose(asks)
+        except Exception:  # whatever it was, it is named to the requests it fails on
+            tree = self._propose_apart(asks)
+            if tree is None:  # every speculating request failed: the rest decode their roots
+                if not plain:
+                    return None, None
+                return TokenTree.roots([r.output[-1] for r in plain]).to(self.target.device), None
+            asks = [a for a in asks if not self._requests[a.request_id].finished]
         suspect = check_proposal(tree, asks, self.target.vocab_size, self.max_tree_nodes, full=self.debug)
         self.stats.drafted_nodes += tree.num_nodes - len(asks)
         tree = tree.to(self.target.device)
@@ -410,6 +432,22 @@ class Engine:
                 )
             tree = TokenTree.concat([tree, roots])
         return tree, suspect
+
+    def _propose_apart(self, asks: list[ProposalRequest]) -> TokenTree | None:
+        """The proposer raised on the step's requests together: ask it for each request alone,
+        so that only the requests it fails on fail (finish reason "error", the exception named)
+        and the others go on. Their trees in order, or None when every one failed."""
+        trees = []
+        for ask in asks:
+            try:
+                trees.append(self.proposer.propose([ask]))
+            except Exception as error:
+                request = self._requests[ask.request_id]
+                request.finish_reason = "error"
+                request.error = (
+                    f"{type(self.proposer).__name__}.propose raised {type(error).__name__}: {error}"
+                )
+        return TokenTree.concat(trees) if trees else None
 
     def _asks(self, decoding: Sequence[Request]) -> list[ProposalRequest]:
         return [

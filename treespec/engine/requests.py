@@ -26,7 +26,8 @@ class Request:
     slot: int = -1  # cache row while running
     num_prefilled: int = 0  # prompt tokens whose K/V is cached
     output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos", "length", "stop" or "abort"
+    finish_reason: str | None = None  # "eos", "length", "stop", "abort" or "error"
+    error: str | None = None  # with finish reason "error": what failed
     generator: torch.Generator | None = None  # its own, when its sampling has a seed
     stop: Callable[[list[int]], bool] | None = None  # prompt + output -> finished?
     speculate: bool = True  # False: the proposer never sees it; it decodes one token a step
@@ -48,6 +49,7 @@ class RequestOutput:
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None
+    error: str | None = None  # with finish reason "error": what failed (the proposer, and why)
 
 
 @dataclass

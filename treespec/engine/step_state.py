@@ -63,14 +63,16 @@ class StepTimer:
 class StepPlan:
     """What one step runs: the running requests in row order, those among them whose final
     prompt chunk runs (each gets its first token) and those that decode a tree, the trees
-    (None without decoding requests), the proposal check's device flag, and the flattened rows."""
+    (None without decoding requests), the proposal check's device flag, the flattened rows, and
+    the requests that failed in this step's drafting (finished with an error, not run)."""
 
     running: tuple[Request, ...]
     finishing: tuple[Request, ...]
     decoding: tuple[Request, ...]
     trees: TokenTree | None
     suspect: torch.Tensor | None
-    batch: StepBatch
+    batch: StepBatch | None  # None only when nothing runs: every request failed in drafting
+    failed: tuple[Request, ...] = ()
 
 
 @dataclass(frozen=True)

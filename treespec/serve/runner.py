@@ -232,6 +232,6 @@ class EngineRunner:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.push(Delta(out.new_tokens, out.finish_reason if out.finished else None))
+            stream.push(Delta(out.new_tokens, out.finish_reason if out.finished else None, error=out.error))
             if out.finished:
                 self._forget(out.request_id)

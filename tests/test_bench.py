@@ -216,8 +216,10 @@ def test_bad_input(tmp_path, capsys):
         BenchConfig(proposers=("speculate",))
     with pytest.raises(ValueError, match="unknown baseline"):
         BenchConfig(baselines=("vllm",))
-    with pytest.raises(ValueError, match="a node count from 1 to 31"):
-        BenchConfig(budget="64")
+    for bad in ("64", "8:0", "8:9", "8:", "x", "8:two"):
+        with pytest.raises(ValueError, match="a node count N from 1 to 31 or N:D"):
+            BenchConfig(budget=bad)
+    assert BenchConfig(budget="8:3").budget == "8:3"
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         BenchConfig(linear_backend="fast")
     with pytest.raises(ValueError, match="draft_vocab must be >= 0, got -1"):

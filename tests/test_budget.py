@@ -596,3 +596,15 @@ def test_a_subset_of_the_batch_drafts_and_the_output_stays_exact():
         and max(proposer.drafters) < len(prompts)
         or len(set(proposer.drafters)) > 1
     )
+
+
+def test_a_fixed_budget_names_nodes_and_an_optional_depth():
+    from treespec.budget import fixed_budget
+
+    assert fixed_budget("adaptive") is None and fixed_budget("fixed") is None
+    assert (
+        fixed_budget("8") == (8, None) and fixed_budget("8:3") == (8, 3) and fixed_budget("31:6") == (31, 6)
+    )
+    for bad in ("0", "32", "8:0", "8:9", "eight", "8:3:1", ""):
+        with pytest.raises(ValueError, match="N:D"):
+            fixed_budget(bad)

@@ -44,6 +44,26 @@ from treespec.target import Target
 from treespec.tree import TokenTree, best_paths
 
 
+def fixed_budget(text: str) -> tuple[int, int | None] | None:
+    """A budget as ``treespec bench --budget`` and ``treespec serve --budget`` take it: None for
+    ``adaptive`` (the learning budget) or ``fixed`` (the proposer's own tree), else ``(nodes,
+    depth)`` from ``N`` (N drafted nodes, as deep as they allow: depth None) or ``N:D`` (at most D
+    levels). Anything else is a ValueError naming what is accepted."""
+    if text in ("adaptive", "fixed"):
+        return None
+    nodes, colon, depth = text.partition(":")
+    if (
+        nodes.isdigit()
+        and 1 <= int(nodes) <= 31
+        and (not colon or (depth.isdigit() and 1 <= int(depth) <= 8))
+    ):
+        return int(nodes), int(depth) if depth else None
+    raise ValueError(
+        f"budget must be 'adaptive', 'fixed', a node count N from 1 to 31 or N:D with a depth D from 1 to 8, "
+        f"got {text!r}"
+    )
+
+
 @dataclass
 class CostModel:
     """Forward seconds as a function of new tokens in the step (piecewise linear in between)."""

@@ -71,7 +71,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--served-model-name", default=None, help="the name clients pass as model (default: MODEL)"
     )
-    serve.add_argument("--budget", default="adaptive", metavar="adaptive|fixed|N",
+    serve.add_argument("--budget", default="adaptive", metavar="adaptive|fixed|N|N:D",
                        help="a named proposer's tree size per step, as treespec bench --budget: chosen from measured "
                             "costs and acceptance, the proposer's own trees, or N drafted nodes (1 to 31)")  # fmt: skip
     serve.set_defaults(handler=_serve)
@@ -279,9 +279,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     option("draft_vocab", type=int, metavar="N",
            help="EAGLE-1 heads, Medusa heads and draft models without a draft vocabulary of their own read out "
            "through the first N token ids, roughly the most frequent in a BPE vocabulary (0: all)")  # fmt: skip
-    option("budget", metavar="adaptive|fixed|N",
+    option("budget", metavar="adaptive|fixed|N|N:D",
            help="tree size per step: chosen from measured costs and acceptance (adaptive), the "
-           "proposers' own 31 nodes (fixed), or N drafted nodes every step (1 to 31)")  # fmt: skip
+           "proposers' own 31 nodes (fixed), or N drafted nodes every step (1 to 31), at most D deep (N:D)")  # fmt: skip
     _add_bench_backend_options(option)
     _add_bench_output_options(bench, option)
     option("device", choices=["cpu", "cuda"], help="where the models run")

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from treespec import heads
 from treespec.api import generate
-from treespec.budget import AdaptiveProposer, BudgetChooser, BudgetMemory, CostModel
+from treespec.budget import AdaptiveProposer, BudgetChooser, BudgetMemory, CostModel, fixed_budget
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
 from treespec.models import DEFAULT_MODEL, DTYPES, load
@@ -88,7 +88,7 @@ class BenchConfig:
     seed: int = 0
     warmup: int = 1
     device: str = "cpu"
-    budget: str = "adaptive"  # "fixed": the proposers' own sizes (31 drafted nodes); "N": N nodes every step
+    budget: str = "adaptive"  # "fixed": the proposers' own sizes (31 drafted nodes); "N" / "N:D": N nodes every step, D deep
     linear_backend: str = "auto"  # treespec's target (treespec.target.linear); the HF baselines run natively
     attention_backend: str = "auto"  # treespec's target, EAGLE heads and draft models; not the HF baselines
     draft_vocab: int = DRAFT_VOCAB  # EAGLE-1 / Medusa heads read out through the first N token ids (0: all)
@@ -117,12 +117,7 @@ class BenchConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        if self.budget not in ("adaptive", "fixed") and not (
-            self.budget.isdigit() and 1 <= int(self.budget) <= 31
-        ):
-            raise ValueError(
-                f"budget must be 'adaptive', 'fixed' or a node count from 1 to 31, got {self.budget!r}"
-            )
+        fixed_budget(self.budget)  # a ValueError naming what is accepted
         for name in ("max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -242,9 +237,10 @@ class Components:
     def _adaptive(self, proposer, method: str):
         if self.config.budget == "fixed":
             return proposer
-        if self.config.budget.isdigit():  # a fixed budget smaller than the proposer's own
-            nodes = int(self.config.budget)
-            proposer.set_budget(nodes, depth=nodes)  # as deep as the nodes allow, within the proposer's depth
+        fixed = fixed_budget(self.config.budget)
+        if fixed is not None:  # a fixed budget smaller than the proposer's own
+            nodes, depth = fixed
+            proposer.set_budget(nodes, depth=depth or nodes)  # no depth: as deep as the nodes allow
             return proposer
         memory = self._memory.setdefault(method, BudgetMemory())
         return AdaptiveProposer(proposer, self.budget_chooser(), memory=memory)

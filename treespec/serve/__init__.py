@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from treespec.budget import fixed_budget
+
 PROPOSERS = ("auto", "none", "ngram", "eagle", "medusa", "draft", "hybrid")
 ROUTABLE = ("ngram", "eagle", "medusa", "draft", "hybrid")  # what a list of proposers may hold
 
@@ -26,7 +28,7 @@ class ServeConfig:
     prefill_chunk: int = 512
     dtype: str = "bf16"
     served_model_name: str | None = None
-    budget: str = "adaptive"  # named proposers: "adaptive", "fixed" (their own trees) or "N" nodes a step
+    budget: str = "adaptive"  # named proposers: "adaptive", "fixed" (their own trees), "N" nodes or "N:D"
     max_prefill_tokens: int | None = 128  # prompt tokens per step across requests (None: no bound)
 
     def __post_init__(self) -> None:
@@ -43,10 +45,7 @@ class ServeConfig:
             raise ValueError(f"max_model_len must be at least 2 tokens, got {self.max_model_len}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if self.budget not in ("adaptive", "fixed") and not (
-            self.budget.isdigit() and 1 <= int(self.budget) <= 31
-        ):
-            raise ValueError(f"budget must be adaptive, fixed or a node count 1..31, got {self.budget!r}")
+        fixed_budget(self.budget)  # a ValueError naming what is accepted
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:

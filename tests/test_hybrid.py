@@ -99,3 +99,22 @@ def test_bad_hybrids():
     eagle3 = random_head(model, eagle3=True)
     with pytest.raises(ValueError, match="different target features"):
         HybridProposer(EagleProposer(random_head(model), model), EagleProposer(eagle3, model))
+
+
+def test_one_budget_sizes_every_member_when_each_has_one():
+    """A hybrid of members that all have a settable budget has one: set_budget sizes each (the
+    adaptive budget then sizes the merged tree); with a member of fixed size it has none."""
+    first, second = (
+        NgramProposer(max_depth=8, max_nodes=8),
+        NgramProposer(tree=False, max_depth=6, max_nodes=6),
+    )
+    hybrid = HybridProposer(first, second)
+    assert hybrid.has_budget
+    hybrid.set_budget(3, depth=2)
+    assert first._budget == (3, 2) and second._budget == (3, 2)
+
+    class Fixed(Proposer):
+        def propose(self, requests):
+            return TokenTree.roots([r.tokens[-1] for r in requests])
+
+    assert not HybridProposer(first, Fixed()).has_budget

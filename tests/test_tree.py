@@ -544,3 +544,16 @@ def test_one_check_refuses_a_dynamic_tree_that_cannot_exist_in_every_proposer():
         DraftModelProposer(model, dynamic=(2, 2, 9))
     with pytest.raises(ValueError, match="got dynamic top_k=2, heads=2, num_nodes=100"):
         MedusaProposer(MedusaHeads(MedusaConfig(64, 128, num_heads=2)), model, dynamic=(2, 100))
+
+
+def test_roots_alone_are_the_tree_from_lists_would_build():
+    """A step of plain decoding builds its roots-only tree directly; it must be the tree
+    ``from_lists`` builds (tokens, parents, depths, offsets, masks and what the host knows)."""
+    direct, built = TokenTree.roots([5, 7, 9]), TokenTree.from_lists([[5], [7], [9]])
+    for name in ("tokens", "parents", "depth", "cu_nodes", "tree_mask"):
+        mine, theirs = getattr(direct, name), getattr(built, name)
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), name
+    assert direct.host == built.host and direct.draft_probs is None
+    direct.validate()
+    with pytest.raises(ValueError, match="at least one"):
+        TokenTree.roots([])

@@ -234,8 +234,11 @@ class BudgetChooser:
     # (n, d) -> s; None: free
     propose_cost: Callable[[int, int], float] | None = None
     max_nodes: int = 63
-    # the tree sizes ``allocate`` weighs at batch > 1 (every size at batch 1)
-    batch_sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 31, 48, 63)
+    # the same cost as a plane, (intercept, per node, per level) -> what ``allocate`` prices its
+    # candidates with inline (it weighs hundreds a step); None: it calls ``propose_cost``
+    drafting_plane: Callable[[], tuple[float, float, float]] | None = None
+    # the tree sizes ``allocate`` weighs (and the cap itself)
+    sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 31, 48, 63)
 
     def expected_by_depth(
         self, rates: list[list[float]], max_nodes: int, max_pops: int = 4096
@@ -299,16 +302,24 @@ class BudgetChooser:
         what ``expected_by_depth`` says its trees win, from its own acceptance rates. The step
         costs ``forward(B + k * n) + propose(k * n, depth)``: a tree is priced at the rows it
         adds to this step, so at a large batch only the requests whose trees win most draft.
-        k = 0 (no tree) unless ``min_nodes`` > 0."""
+        k = 0 (no tree) unless ``min_nodes`` > 0. The sizes weighed are ``sizes`` (and
+        ``min_nodes``), each at the depths it can fill (a cap deeper than n nodes is the same
+        tree as a cap of n)."""
         batch = len(tables) if batch_size is None else batch_size
         limit = min(cap or self.max_nodes, self.max_nodes)
-        sizes = range(max(1, min_nodes), limit + 1)
-        if batch > 1:
-            sizes = [n for n in self.batch_sizes if min_nodes <= n <= limit] or [max(1, min_nodes)]
+        least = max(1, min_nodes)
+        sizes = sorted({n for n in (*self.sizes, least, limit) if least <= n <= limit})
+        plane = self.drafting_plane() if self.drafting_plane is not None else None
+        fixed = self.propose_cost is None
         forward: dict[int, float] = {}
-        best = (0, 0, 0, batch / self.forward_cost(batch)) if min_nodes == 0 else (0, 0, 0, 0.0)
+        cost = self.forward_cost
+        best = (0, 0, 0, batch / cost(batch)) if min_nodes == 0 else (0, 0, 0, 0.0)
         for depth in range(1, min(len(t) for t in tables) + 1):
+            if plane is not None:
+                level = plane[0] + plane[2] * depth
             for n in sizes:
+                if n < depth:
+                    continue
                 gain = 0.0  # the first k candidates' expected drafted tokens accepted
                 for k, own in enumerate(tables, start=1):
                     totals = own[depth - 1]
@@ -316,10 +327,15 @@ class BudgetChooser:
                         break
                     gain += totals[n] - 1
                     rows = batch + k * n
-                    if rows not in forward:
-                        forward[rows] = self.forward_cost(rows)
-                    drafting = self.propose_cost(k * n, depth) if self.propose_cost is not None else 0.0
-                    rate = (batch + gain) / (forward[rows] + drafting)
+                    seconds = forward.get(rows)
+                    if seconds is None:
+                        seconds = forward[rows] = cost(rows)
+                    if plane is not None:
+                        drafting = level + plane[1] * k * n
+                        seconds += drafting if drafting > 0 else 0.0
+                    elif not fixed:
+                        seconds += self.propose_cost(k * n, depth)
+                    rate = (batch + gain) / seconds
                     if rate > best[3]:
                         best = (k, n, depth, rate)
         return best
@@ -493,11 +509,13 @@ class AdaptiveProposer(WrappingProposer):
         self._scaled: dict[int, list[list[float]]] = {}  # a scale's step -> its table, until the next refresh
         self._since_table = 0  # steps observed since the table was made
         self._steps = 0  # proposals made
+        self._quiet = 0  # steps left on which the chooser's last "no tree" stands without asking
         self._records: dict[int, _RequestRecord] = {}  # request id -> its own evidence
         self._step_tokens = 0  # tokens committed by the step under way
         self._last_propose_s = 0.0  # the last proposal's whole time, catch-up included
         if chooser.propose_cost is None:
             chooser.propose_cost = self._propose_cost
+            chooser.drafting_plane = self._plane
 
     @property
     def stats(self) -> AcceptanceStats:
@@ -519,29 +537,53 @@ class AdaptiveProposer(WrappingProposer):
 
         The chooser asks for every candidate size each step, so the plane is fitted once per
         new proposal (``_fit``), not once per question."""
+        intercept, per_node, per_level = self._plane()
+        return max(0.0, intercept + per_node * nodes + per_level * depth)
+
+    def _plane(self) -> tuple[float, float, float]:
+        """The drafting times' plane (intercept, per node, per level), fitted once per new
+        proposal: what ``BudgetChooser.allocate`` prices every candidate with."""
         if self._fit is None:
             self._fit = self._fit_plane(list(self.memory.drafting))
-        intercept, per_node, per_level = self._fit
-        return max(0.0, intercept + per_node * nodes + per_level * depth)
+        return self._fit
 
     @staticmethod
     def _fit_plane(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
-        """(intercept, per node, per level) of seconds against nodes and depth. A variable
-        that did not vary among the points gets no slope (a line in the other one, or the mean,
-        or zero with no points); when the two vary together, the fit that explains more."""
+        """(intercept, per node, per level) of seconds against nodes and depth, by least
+        squares (the normal equations from one pass of sums: microseconds for 64 points). A
+        variable that did not vary among the points gets no slope (a line in the other one, or
+        the mean, or zero with no points); when the two vary together (one a function of the
+        other), the line that explains more."""
         if not points:
             return 0.0, 0.0, 0.0
-        mean_t = statistics.fmean(t for *_, t in points)
-        varies = [len({p[i] for p in points}) > 1 for i in (0, 1)]
-        if not any(varies):
-            return mean_t, 0.0, 0.0
-        x = torch.tensor(
-            [[1.0, *(float(p[i]) for i in (0, 1) if varies[i])] for p in points], dtype=torch.float64
-        )
-        t = torch.tensor([p[2] for p in points], dtype=torch.float64)
-        solution = torch.linalg.lstsq(x, t[:, None]).solution[:, 0].tolist()
-        slopes = iter(solution[1:])
-        return solution[0], *(next(slopes) if varies[i] else 0.0 for i in (0, 1))
+        count = float(len(points))
+        sn = sd = st = snn = snd = sdd = snt = sdt = 0.0
+        for n, d, t in points:
+            sn += n
+            sd += d
+            st += t
+            snn += n * n
+            snd += n * d
+            sdd += d * d
+            snt += n * t
+            sdt += d * t
+        var_n, var_d = snn - sn * sn / count, sdd - sd * sd / count
+        varies = (var_n > 1e-9 * max(1.0, snn), var_d > 1e-9 * max(1.0, sdd))
+        if all(varies):
+            plane = _solve([[count, sn, sd, st], [sn, snn, snd, snt], [sd, snd, sdd, sdt]])
+            if plane is not None:
+                return plane[0], plane[1], plane[2]
+        fits = []
+        for i, (sx, sxx, sxt) in enumerate(((sn, snn, snt), (sd, sdd, sdt))):
+            if varies[i]:
+                slope = (sxt - sx * st / count) / (sxx - sx * sx / count)
+                intercept = (st - slope * sx) / count
+                residual = sum((intercept + slope * p[i] - p[2]) ** 2 for p in points)
+                fits.append((residual, intercept, (slope, 0.0) if i == 0 else (0.0, slope)))
+        if not fits:
+            return st / count, 0.0, 0.0
+        _, intercept, (per_node, per_level) = min(fits)
+        return intercept, per_node, per_level
 
     def _close_step(self, now: float) -> None:
         """The step that began at the last ``propose`` ended now: learn its cost and rate."""
@@ -571,13 +613,18 @@ class AdaptiveProposer(WrappingProposer):
         lose = self.throughput.trees_lose()  # measured: trees lose on this machine now
         members: list[int] = []
         nodes = depth = 0
-        if not (lose and memory.idle + 1 < memory.wait):
+        settled = self._quiet > 0 and memory.idle + 1 < memory.wait  # "no tree" said lately, no probe due
+        if settled:
+            self._quiet -= 1
+        elif not (lose and memory.idle + 1 < memory.wait):
             scales = [self.scale(r.request_id) for r in requests]
             order = sorted(range(batch), key=lambda i: -scales[i])  # most promising first; stable
             tables = [self._own_table(scales[i], cap) for i in order]
             k, nodes, depth, _ = self.chooser.allocate(tables, cap=cap)
             members = [] if lose else sorted(order[:k])
             self._forget_idle(requests, members)
+            if not k:  # on its merits, no tree: not asked again for the next refresh - 1 steps
+                self._quiet = self.refresh - 1
         if members and self._since_plain >= self._baseline_every():
             members = []  # a baseline step keeps the no-tree rate current
         elif members and self._since_plain % (2 * self.probe_every) == self.probe_every:
@@ -737,3 +784,21 @@ def _beside_roots(tree: TokenTree, members: list[int], requests: list[ProposalRe
         roots = replace(roots, draft_probs=tree.draft_probs.new_zeros(len(others), tree.draft_probs.shape[1]))
     order = members + others  # request at each position of the concatenation
     return TokenTree.concat([tree, roots]).select(sorted(range(len(requests)), key=order.__getitem__))
+
+
+def _solve(augmented: list[list[float]]) -> tuple[float, ...] | None:
+    """x with A x = b for the augmented rows [A | b] (Gaussian elimination, partial pivoting);
+    None when A is singular."""
+    a = [list(row) for row in augmented]
+    m = len(a)
+    scale = max(abs(x) for row in a for x in row[:m]) or 1.0
+    for col in range(m):
+        pivot = max(range(col, m), key=lambda i: abs(a[i][col]))
+        if abs(a[pivot][col]) < 1e-12 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for i in range(m):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [x - f * y for x, y in zip(a[i], a[col], strict=True)]
+    return tuple(a[i][m] / a[i][i] for i in range(m))

@@ -22,9 +22,6 @@ NGRAM_TREE = MappingProxyType({"max_depth": 8, "max_nodes": 32})
 HYBRID_EAGLE_TREE = MappingProxyType({**EAGLE_TREE, "total_tokens": 24})
 HYBRID_NGRAM_TREE = MappingProxyType({"max_depth": 8, "max_nodes": 8})
 
-# An n-gram chain's cost per drafted token, as a fraction of a step, where no cost curve was
-# measured (with the adaptive budget it comes from the measured curve).
-NGRAM_TOKEN_COST = 0.3
 # Heads without a draft vocabulary of their own (EAGLE-1 without d2t, Medusa, draft models) read
 # out through the first DRAFT_VOCAB token ids; training uses the same number of rows.
 DRAFT_VOCAB = 8192

@@ -48,7 +48,6 @@ from treespec.presets import (
     HYBRID_EAGLE_TREE,
     HYBRID_NGRAM_TREE,
     MEDUSA_TREE,
-    NGRAM_TOKEN_COST,
     NGRAM_TREE,
 )
 from treespec.processors import RowContexts, process
@@ -205,18 +204,8 @@ class Components:
             eagle = EagleProposer(self.head("eagle", for_what="method 'hybrid'"), self.model,
                                   **HYBRID_EAGLE_TREE, max_batch_size=batch, linear_backend=linear,
                                   attention_backend=attention, readout_ids=readout)  # fmt: skip
-            return HybridProposer(
-                self._adaptive(eagle, method),
-                NgramProposer(**HYBRID_NGRAM_TREE, token_cost=self.token_cost()),
-            )
+            inner = HybridProposer(eagle, NgramProposer(**HYBRID_NGRAM_TREE))  # one budget sizes both
         return self._adaptive(inner, method)
-
-    def token_cost(self) -> float:
-        """The n-gram proposers' cost of a drafted token: from this machine's measured cost curve
-        with the adaptive budget (the same curve the heads' budget uses), 0.3 with fixed budgets."""
-        if self.config.budget != "adaptive":
-            return NGRAM_TOKEN_COST
-        return self.budget_chooser().forward_cost.token_cost(self.config.batch_size)
 
     def _readout(self, kind: str) -> range | None:
         """The reduced read-out of an EAGLE-1 head, Medusa heads or a draft model (``draft_vocab``

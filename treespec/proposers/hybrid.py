@@ -8,7 +8,9 @@ propose is verified once. The engine verifies the merged tree like any other.
 
 Children are chosen without looking at the verifier's coins by every member (they must all have
 ``sampled_children = False``), so the deterministic-children rule stays lossless on the union.
-Hidden states go to the members that need them; every member hears every commit.
+Hidden states go to the members that need them; every member hears every commit. When every
+member has a settable budget, so has the hybrid: the adaptive budget then sizes every member's
+trees at once and learns from the merged trees (``treespec bench --proposer hybrid``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class HybridProposer(Proposer):
         self.hidden_layers = layers.pop() if layers else ()
         self.vocab_size = vocab.pop() if vocab else None
         self.max_tree_nodes = 1 + sum(p.max_tree_nodes - 1 for p in proposers)
+        self.has_budget = all(p.has_budget for p in proposers)  # then one budget sizes them all
         limits = [p.max_batch_size for p in proposers if p.max_batch_size is not None]
         self.max_batch_size = min(limits) if limits else None
         contexts = [p.max_context for p in proposers if p.max_context is not None]
@@ -68,6 +71,12 @@ class HybridProposer(Proposer):
             merged_tokens.append(tokens)
             merged_parents.append(parents)
         return TokenTree.from_lists(merged_tokens, merged_parents)
+
+    def set_budget(self, num_nodes: int, depth: int) -> None:
+        """Every member drafts at most ``num_nodes`` nodes, ``depth`` deep (within its own
+        sizes): one adaptive budget sizes the merged tree, judged by what the merged trees win."""
+        for p in self.proposers:
+            p.set_budget(num_nodes, depth)
 
     def observe(self, result: StepResult) -> None:
         """Each member hears the step in terms of its own tree: its nodes on the accepted path."""

@@ -176,8 +176,17 @@ class TokenTree:
     @classmethod
     def roots(cls, tokens: Sequence[int]) -> TokenTree:
         """The tree of a step that drafts nothing: one root per request (its last committed
-        token), the tree every proposer returns when its budget is zero."""
-        return cls.from_lists([[token] for token in tokens])
+        token), the tree every proposer returns when its budget is zero. Laid out directly: a
+        step of plain decoding builds one (what ``from_lists`` would give, without its per-tree
+        masks and checks)."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("roots needs at least one request's token")
+        n = len(tokens)
+        host = TreeHost((1,) * n, 0, tuple(tokens), (-1,) * n, 0)
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.full((n,), -1, dtype=torch.long),
+                   torch.zeros(n, dtype=torch.long), torch.arange(n + 1), torch.ones((n, 1), dtype=torch.int32),
+                   None, host)  # fmt: skip
 
     @classmethod
     def from_lists(

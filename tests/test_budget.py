@@ -472,18 +472,20 @@ def ask(request_id):
 
 
 def test_the_budget_follows_acceptance_and_cost_that_change_mid_run():
-    """Four phases of 200 steps on one request. The best chain (8 deep at most: the statistics'
-    depth) for each: (1) acceptance 0.9, a drafted row 0.05 of a step: 8 nodes; (2) acceptance
-    0.4: 2-3 nodes (tokens per step 1.42 at 2, 1.41 at 3, 1.38 at 4); (3) a row costs 3 steps:
-    none; (4) as (1) again. The budget must reach each within a bounded number of steps: the
-    acceptance change within 30 (a request's own evidence fades by 0.9 a tree), the dear rows
-    within 10 (the measured steps), and the return of cheap rows within 150 (probes every 32
-    steps at most, then the sizes grow by the steps one size up that keep the curve measured)."""
+    """Four phases on one request. The best chain (8 deep at most: the statistics' depth) for
+    each: (1) 200 steps of acceptance 0.9, a drafted row 0.05 of a step: 8 nodes; (2) 200 of
+    acceptance 0.4: 2-3 nodes (tokens per step 1.42 at 2, 1.41 at 3, 1.38 at 4); (3) 200 where
+    a row costs 3 steps: none; (4) 400 as (1) again. The budget must reach each within a bounded
+    number of steps: the acceptance change within 30 (a request's own evidence fades by 0.9 a
+    tree), the dear rows within 10 (the measured steps), and the return of cheap rows with a
+    first tree within 170 steps (a probe that cost 3 steps more than a plain step waits
+    3 / 0.02 = 150 steps for the next: probing costs at most 2 %) and the best size within 300
+    (the steps one size up that keep the cost curve measured grow it)."""
     proposer, now = simulated()
     simulate(
         proposer,
         [ask(0)],
-        [(200, [0.9], 0.05), (200, [0.4], 0.05), (200, [0.9], 3.0), (200, [0.9], 0.05)],
+        [(200, [0.9], 0.05), (200, [0.4], 0.05), (200, [0.9], 3.0), (400, [0.9], 0.05)],
         now,
     )
     chosen = proposer.chosen
@@ -491,7 +493,8 @@ def test_the_budget_follows_acceptance_and_cost_that_change_mid_run():
     later = sorted(chosen[230:400])  # a step one size up comes every 8 tree steps
     assert later[int(0.85 * len(later))] <= 5 and 2 <= statistics.median(later) <= 4
     assert sum(n > 0 for n in chosen[410:600]) <= 12  # probes only
-    assert statistics.median(chosen[750:800]) >= 8
+    assert any(chosen[600:770])
+    assert statistics.median(chosen[900:1000]) >= 8
 
 
 def test_when_every_tree_loses_the_budget_converges_to_plain_decoding():
@@ -524,7 +527,7 @@ def test_at_batch_two_only_the_request_whose_trees_win_drafts():
     proposer.proposer.propose = counting
     simulate(proposer, [ask(0), ask(1)], [(300, [0.9, 0.0], 0.1)], now)
     assert trees_of[0] >= 250 and 1 <= trees_of[1] <= 30
-    assert proposer.scale(0) > 0.9 > 0.6 > proposer.scale(1)
+    assert proposer.scale(0) > 0.9 and proposer.scale(1) < 0.8  # (its evidence fades between retries)
     assert statistics.median(proposer.chosen[50:]) >= 4
     proposer.release(1)
     assert proposer.scale(1) == 1.0  # forgotten with the request

@@ -506,7 +506,8 @@ class AdaptiveProposer(WrappingProposer):
         self._table: list[list[float]] | None = None  # the chooser's expected tokens by depth cap, kept
         self._table_cap = 0  # the most nodes it was made for
         self._rates: list[list[float]] = []  # the shared rates it was made from
-        self._scaled: dict[int, list[list[float]]] = {}  # a scale's step -> its table, until the next refresh
+        self._scaled: dict[int, list[list[float]]] = {}  # a scale's step -> its table (_own_table)
+        self._refreshes = 0  # of the shared table
         self._since_table = 0  # steps observed since the table was made
         self._steps = 0  # proposals made
         self._quiet = 0  # steps left on which the chooser's last "no tree" stands without asking
@@ -681,23 +682,26 @@ class AdaptiveProposer(WrappingProposer):
         young), then every ``refresh``-th, and whenever a larger cap is asked."""
         young = self.memory.observed < 4 * self.refresh
         if self._table is None or self._table_cap < cap or young or self._since_table >= self.refresh:
+            if self._table_cap < cap or self._refreshes % 4 == 0:
+                self._scaled.clear()  # the requests' own tables follow the shared one every 4th time
             self._rates = self.stats.rates()
             self._table = self.chooser.expected_by_depth(self._rates, cap)
             self._table_cap, self._since_table = cap, 0
-            self._scaled.clear()
+            self._refreshes += 1
         return self._table
 
     def _own_table(self, scale: float, cap: int) -> list[list[float]]:
         """The expected tokens of a request whose acceptance is ``scale`` times the shared
-        rates: the shared table at 1, else the table of those rates, kept per step of 15 % in
-        the scale until the shared one is refreshed (a batch's requests share a few)."""
+        rates: the shared table at 1, else the table of those rates, kept per step of 25 % in
+        the scale for four refreshes of the shared one (a batch's requests share a few; a table
+        is a millisecond of Python)."""
         shared = self._expected(cap)
-        key = round(math.log(min(max(scale, 0.01), 8.0)) / math.log(1.15))
+        key = round(math.log(min(max(scale, 0.01), 8.0)) / math.log(1.25))
         if key == 0:
             return shared
         if key not in self._scaled:
             self._scaled[key] = self.chooser.expected_by_depth(
-                scaled_rates(self._rates, 1.15**key), self._table_cap
+                scaled_rates(self._rates, 1.25**key), self._table_cap
             )
         return self._scaled[key]
 

@@ -314,7 +314,7 @@ def test_a_proposer_for_the_next_request_starts_from_the_measured_rates():
 
 def test_the_expected_tokens_are_kept_between_refreshes_not_summed_every_step():
     """Summing the best paths is the chooser's costly part: the proposer sums them after every
-    step while its estimates are young (4 * refresh steps), then every refresh-th step, and the
+    step while its estimates are young (refresh steps), then every refresh-th step, and the
     table it keeps is then exactly what the statistics of that step give."""
     now = [0.0]
     chooser = BudgetChooser(CostModel([1, 8, 64], [1.0, 1.0, 1.0]))
@@ -331,9 +331,9 @@ def test_the_expected_tokens_are_kept_between_refreshes_not_summed_every_step():
         proposer.observe(StepResult([RequestResult(0, tokens, parents, accepted, [0] * len(accepted))]))
         if step == 63:
             fresh = summed(proposer.stats.rates(), proposer._table_cap)
-    # young: at most every step, then every 8th; each time the shared table and this request's own
-    # (its trees win other than the shared statistics say: its scale is not 1)
-    assert len(calls) <= 2 * (32 + 64 // 8 + 1)
+    # young: at most every step for 8 steps, then every 8th; each time the shared table and this
+    # request's own (its trees win other than the shared statistics say: its scale is not 1)
+    assert len(calls) <= 2 * (8 + 88 // 8 + 1)
     cap, kept = proposer._table_cap, proposer._table
     if proposer._since_table < 8:  # not due: the kept table comes back as it is
         assert proposer._expected(cap) is kept

@@ -678,9 +678,9 @@ class AdaptiveProposer(WrappingProposer):
         """The chooser's expected tokens per tree size from the acceptance statistics, kept
         between refreshes: summing the best paths costs about a millisecond of Python, more than
         a step's drafting when trees are off. Refreshed after every observed step for the first
-        ``4 * refresh`` steps the memory has seen (the estimates move fast while they are
-        young), then every ``refresh``-th, and whenever a larger cap is asked."""
-        young = self.memory.observed < 4 * self.refresh
+        ``refresh`` steps the memory has seen (the estimates move fast while they are young),
+        then every ``refresh``-th, and whenever a larger cap is asked."""
+        young = self.memory.observed < self.refresh
         if self._table is None or self._table_cap < cap or young or self._since_table >= self.refresh:
             if self._table_cap < cap or self._refreshes % 4 == 0:
                 self._scaled.clear()  # the requests' own tables follow the shared one every 4th time

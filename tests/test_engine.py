@@ -489,5 +489,13 @@ def test_a_proposer_that_raises_fails_only_its_request_and_names_the_error():
     for n in (0, 2):
         assert finished[ids[n]].finish_reason == "length"
         assert engine.output(ids[n]) == hf_greedy(model, PROMPTS[n], 10)
+    # a step in which every request fails in drafting runs nothing, and is still the last step
+    alone = Engine(Target(model), proposer=FailsOn(NgramProposer(), bad=0))
+    rid = alone.add_request(PROMPTS[0], max_new_tokens=10)
+    while alone.has_unfinished():
+        outputs = alone.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [(rid, "error")]
+    assert alone.last_step.plan.failed[0].request_id == rid and alone.last_step.results == ()
+    assert alone.cache.num_free == alone.max_running
     with pytest.raises(RuntimeError, match="prompt 1 failed .*IndexError"):
         treespec.generate(model, PROMPTS, max_new_tokens=10, proposer=FailsOn(NgramProposer(), bad=1))

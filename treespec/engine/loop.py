@@ -266,7 +266,8 @@ class Engine:
         if not self._running:
             return []
         plan = self._plan(timer)
-        if not plan.running:
+        if not plan.running:  # every request of the step failed in drafting: nothing ran
+            self.last_step = Step(plan, (), None)
             self._retire()
             return self._failed_outputs(plan)
         logits, features = self._score(plan)

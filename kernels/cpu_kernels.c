@@ -8,26 +8,26 @@
  *
  * Linear: W is [N, K] bf16 (the nn.Linear layout), x [M, K] and y [M, N] bf16 or fp32. The
  * weight stays bf16 in memory (half the bytes of an fp32 copy: a one-row step is bound by
- * reading it). Three roads, one per process (treespec_set_isa): AVX2 + FMA widens the weight to
- * fp32 in registers (a shift or a mask: exact) and accumulates with FMAs (linear_avx2.c);
- * AVX512-BF16 keeps x in bf16 and multiplies pairs with vdpbf16ps (linear_avx512bf16.c); AMX
- * multiplies tiles (linear_amx.c).
+ * reading it). Three roads, one per process (treespec_set_isa): AVX2 + FMA reads the weight in
+ * panels of 16 output columns (a copy made once per weight on the Python side,
+ * cpu_kernels.road_weight), widens it to fp32 in registers (a shift or a mask: exact) and
+ * accumulates with FMAs against broadcast x (linear_avx2.c); AVX512-BF16 keeps x in bf16 and
+ * multiplies pairs with vdpbf16ps over the [N, K] layout (linear_avx512bf16.c); AMX multiplies
+ * tiles (linear_amx.c). An fp32 x on the bf16 roads takes the AVX2 panels.
  *
  * Batch invariance: every output y[m, n] is computed by the same sequence of operations whatever
- * M is and wherever row m falls. On the AVX2 road x is packed in pairs (per block of 16 columns
- * the even ones, then the odd ones) and lane j of eight fp32 lanes accumulates x[m, 16i + 2j] *
- * W[n, 16i + 2j], then x[m, 16i + 2j + 1] * W[n, 16i + 2j + 1], with fused multiply-adds in
- * increasing i; the lanes are summed in one fixed order, and the K % 16 tail is added last, one
- * fused multiply-add per k. A row scored alone (an autoregressive step) and the same row scored
- * among a tree's rows give the same bits. Built with -ffp-contract=off, so the compiler adds no
- * fusions of its own. The plain reference of this contract is
- * treespec.kernels.cpu_kernels.linear_reference (the same sums in float64).
+ * M is and wherever row m falls. On the AVX2 road it is one fp32 chain of fused multiply-adds
+ * over k = 0 .. K - 1, then the bias; the other roads' fixed orders are in their files. A row
+ * scored alone (an autoregressive step) and the same row scored among a tree's rows give the
+ * same bits. Built with -ffp-contract=off, so the compiler adds no fusions of its own. The plain
+ * reference of this contract is treespec.kernels.cpu_kernels.linear_reference (the same sums in
+ * float64).
  *
- * Work split: threads take contiguous ranges of groups of 12 weight rows (OpenMP, the process's
+ * Work split: threads take contiguous ranges of groups of 16 weight rows (OpenMP, the process's
  * own runtime: PyTorch's libgomp is already loaded and serves this library too); within a range,
  * rows of x go by blocks of 64 (a block stays in L2 while the weight streams past it), and
- * register tiles sized to the road do the arithmetic (AVX2: six x rows by two weight rows, down
- * to one x row by six; see block_rows).
+ * register tiles sized to the road do the arithmetic (AVX2: up to six x rows by one panel, one
+ * row by four; see panel_rows).
  *
  * Failure: an entry point that cannot allocate its work buffers returns TREESPEC_NO_MEMORY before
  * computing anything (the Python side raises MemoryError); nothing here aborts the process.

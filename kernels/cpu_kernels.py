@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -321,6 +322,61 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return linear_unchecked(x, weight.contiguous(), None if bias is None else bias.contiguous())
 
 
+PANEL = 16  # output columns per panel of the AVX2 road's weights (PANEL in linear_avx2.c)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] bf16 in the AVX2 road's panel layout (linear_avx2.c): ceil(N / 16)
+    panels of [K, 16], panel p holding output columns 16p .. 16p + 15 (zeros past N), position
+    2j of a k's 16 values W[16p + j, k] and position 2j + 1 W[16p + 8 + j, k]. A new tensor of
+    the weight's bytes; the weight is not changed."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = weight.detach().new_zeros(panels * PANEL, k)
+    padded[:n] = weight.detach()
+    return padded.view(panels, 2, PANEL // 2, k).permute(0, 3, 2, 1).contiguous()  # [p, k, j, half]
+
+
+def tensor_identity(tensor: torch.Tensor | None) -> tuple[int, int, int] | None:
+    """What changes when a tensor is replaced or updated in place: (id, data_ptr, version)."""
+    if tensor is None:
+        return None
+    try:
+        version = tensor._version
+    except RuntimeError:  # an inference tensor has no version counter (nor in-place updates outside one)
+        version = -1
+    return id(tensor), tensor.data_ptr(), version
+
+
+_PANELS: dict[int, tuple[tuple, torch.Tensor]] = {}  # id(weight) -> (its identity packed, the panels)
+
+
+def reads_panels(x_bf16: bool = True) -> bool:
+    """Whether a linear over x (bf16 or fp32) reads its weight in panels in this process: on the
+    AVX2 road always, on the others where x is fp32 (their products take x in bf16)."""
+    lib = _load()[0]
+    return not x_bf16 or lib.treespec_get_isa() == _ROADS["avx2"][0]
+
+
+def road_weight(weight: torch.Tensor, x_bf16: bool = True) -> torch.Tensor:
+    """What the kernels read for ``weight`` [N, K] bf16 in a linear over x (bf16 or fp32): its
+    panels (:func:`pack_panels`) where the linear reads panels (:func:`reads_panels`), else the
+    weight itself. The panels are made once and kept while the weight lives and is unchanged (a
+    new tensor or an in-place update is packed again): the AVX2 road holds the weights' bytes a
+    second time, and the model's own tensors are never touched."""
+    if not reads_panels(x_bf16):
+        return weight
+    key, identity = id(weight), tensor_identity(weight)
+    entry = _PANELS.get(key)
+    if entry is not None and entry[0] == identity:
+        return entry[1]
+    if entry is None:
+        weakref.finalize(weight, _PANELS.pop, key, None)  # the panels go with their weight
+    packed = pack_panels(weight)
+    _PANELS[key] = (identity, packed)
+    return packed
+
+
 NO_MEMORY = 1  # TREESPEC_NO_MEMORY in the C file
 
 
@@ -356,7 +412,7 @@ def linear_unchecked(
     out = torch.empty(x.shape[:-1] + weight.shape[:1], dtype=torch.float32 if fp32_out else x.dtype)
     bf16 = x.dtype is torch.bfloat16
     n, k = weight.shape
-    code = _load()[0].treespec_linear_bf16(rows.data_ptr(), bf16, weight.data_ptr(),
+    code = _load()[0].treespec_linear_bf16(rows.data_ptr(), bf16, road_weight(weight, bf16).data_ptr(),
                                            bias if bias is None else bias.data_ptr(), out.data_ptr(),
                                            out.dtype is torch.bfloat16, rows.numel() // k, n, k)  # fmt: skip
     _raise_on_failure(code, f"the linear layer over {rows.numel() // k} rows x {n} outputs")
@@ -375,7 +431,7 @@ def linear_many_unchecked(
     pointers = ctypes.c_void_p * count
     bf16 = x.dtype is torch.bfloat16
     code = _load()[0].treespec_linear_bf16_many(
-        rows.data_ptr(), bf16, count, pointers(*[w.data_ptr() for w in weights]),
+        rows.data_ptr(), bf16, count, pointers(*[road_weight(w, bf16).data_ptr() for w in weights]),
         pointers(*[None if b is None else b.data_ptr() for b in biases]), pointers(*[o.data_ptr() for o in outs]),
         bf16, rows.numel() // k, (ctypes.c_int64 * count)(*[w.shape[0] for w in weights]), k,
     )  # fmt: skip
@@ -515,12 +571,15 @@ def draft_tree_bf16(
     def pointer(tensor: torch.Tensor | None) -> int | None:
         return None if tensor is None else tensor.data_ptr()
 
+    def linear_weight(tensor: torch.Tensor | None) -> int | None:  # as the road reads it
+        return None if tensor is None else road_weight(tensor).data_ptr()
+
     vocab = root_logits.shape[-1] if weight is None else weight.shape[0]
     cache_sizes = (0, 0) if keys is None else (keys.shape[1], keys.shape[3])
 
     code = _load()[0].treespec_draft_tree_bf16(
-        pointer(embed), pointer(fc_weight), pointer(fc_bias), table, num_layers, pointer(final_norm), *dims,
-        eps, sm_scale, pointer(weight), vocab, pointer(column_ids), pointer(readout_norm), pointer(cos), pointer(sin),
+        pointer(embed), linear_weight(fc_weight), pointer(fc_bias), table, num_layers, pointer(final_norm), *dims,
+        eps, sm_scale, linear_weight(weight), vocab, pointer(column_ids), pointer(readout_norm), pointer(cos), pointer(sin),
         pointer(keys), pointer(values), *cache_sizes, batch, slots.data_ptr(), committed.data_ptr(),
         first_row.data_ptr(), roots.data_ptr(), pointer(root_h), pointer(root_logits), pointer(catch_tokens),
         pointer(catch_features), pointer(catch_counts), pointer(catch_row), ctypes.addressof(seconds), heads,

@@ -1,21 +1,26 @@
 /* The linear layer's entry points and its work split over threads, on whichever road the process
  * takes (linear_avx2.c, linear_avx512bf16.c, linear_amx.c). */
 
-/* Whether a linear over x (xb: its bf16 copy, or NULL) runs the AVX2 tiles on this road. */
-static inline int avx2_tiles(const uint16_t *xb) { return g_isa == ISA_AVX2 || !xb; }
+/* Whether a linear over x (xb: its bf16 copy, or NULL) runs on the AVX2 road's panels: always on
+ * that road, and on the others where x comes in fp32 only (their products take x in bf16). The
+ * caller hands such a linear its weights in panels (cpu_kernels.road_weight). */
+static inline int avx2_panels(const uint16_t *xb) { return g_isa == ISA_AVX2 || !xb; }
 
-/* The scratch one thread of linear_share needs for M rows of K columns, in 4-byte words: AMX's
- * pairs, or the AVX2 tiles' packed rows of one block. */
+/* The scratch one thread of linear_share needs for M rows of K columns, in 4-byte words (AMX's
+ * pairs; the other roads read x as it is). */
 static int64_t share_scratch(const uint16_t *xb, int64_t M, int64_t K) {
-    if (avx2_tiles(xb)) return (M < ROW_BLOCK ? M : ROW_BLOCK) * K;
-    return g_isa == ISA_AMX ? amx_pack_size(M, K) : 0;
+    return g_isa == ISA_AMX && xb ? amx_pack_size(M, K) : 0;
 }
 
+/* The weight rows in one unit of the work split: a panel on the AVX2 road, four tiles of four on
+ * the AVX512-BF16 road. */
+#define GROUP PANEL
+
 /* One thread's share of y_i = x W_i^T + bias_i for `count` matrices read from the same x (fp32
- * [M, K]): thread `me` of `threads` takes a contiguous range of the matrices' groups of GROUP
- * weight rows (matrix i owns groups first_group[i] .. first_group[i+1]-1) and computes them for
- * every row of x, by blocks of ROW_BLOCK rows. y_i are fp32 [M, N_i]; biases fp32 (each may be
- * NULL). scratch: share_scratch(xb, M, K) words of this thread's own. */
+ * [M, K], and xb its bf16 copy or NULL): thread `me` of `threads` takes a contiguous range of the
+ * matrices' groups of GROUP weight rows (matrix i owns groups first_group[i] .. first_group[i+1]-1)
+ * and computes them for every row of x, by blocks of ROW_BLOCK rows. y_i are fp32 [M, N_i]; biases
+ * fp32 (each may be NULL). scratch: share_scratch(xb, M, K) words of this thread's own. */
 static void linear_share(int64_t me, int64_t threads, const float *x, const uint16_t *xb, int64_t M, int64_t K,
                          int count, const uint16_t *const *w, const float *const *bias, float *const *y,
                          const int64_t *N, const int64_t *first_group, void *scratch) {
@@ -25,27 +30,29 @@ static void linear_share(int64_t me, int64_t threads, const float *x, const uint
         amx_share(me, threads, xb, M, K, count, w, bias, y, N, first_block, scratch);
         return;
     }
-    const int tiles = avx2_tiles(xb);
+    const int panels = avx2_panels(xb);
     const int64_t groups = first_group[count];
     const int64_t g0 = groups * me / threads, g1 = groups * (me + 1) / threads;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
-        if (tiles) {
-            if (g0 == g1) break; /* nothing to compute: no rows to pack */
-            pack_pairs(x, m0, m1, K, scratch);
-        }
         int i = 0;
-        for (int64_t g = g0; g < g1; g++) {
+        for (int64_t g = g0; g < g1;) {
             while (g >= first_group[i + 1]) i++;
             const int64_t n = GROUP * (g - first_group[i]);
-            const int G = N[i] - n < GROUP ? (int)(N[i] - n) : GROUP;
             const float *b = bias[i] ? bias[i] + n : 0;
-            if (tiles)
-                block_rows(scratch, w[i] + n * K, b, y[i] + m0 * N[i] + n, 0, m1 - m0, N[i], K, G);
-            else /* AVX512-BF16: tiles of up to four weight rows */
-                for (int c = 0; c < G; c += 4)
-                    block_rows_bf16(xb, w[i] + (n + c) * K, b ? b + c : 0, y[i] + n + c, m0, m1, N[i], K,
-                                    G - c < 4 ? G - c : 4);
+            if (panels) { /* this range's panels of matrix i in one sweep */
+                const int64_t end = first_group[i + 1] < g1 ? first_group[i + 1] : g1;
+                const int64_t last = GROUP * (end - first_group[i]);
+                panel_rows(x + m0 * K, w[i] + n * K, b, y[i] + m0 * N[i] + n, m1 - m0, N[i], K, end - g,
+                           (last < N[i] ? last : N[i]) - n);
+                g = end;
+                continue;
+            }
+            const int G = N[i] - n < GROUP ? (int)(N[i] - n) : GROUP; /* AVX512-BF16: tiles of four rows */
+            for (int c = 0; c < G; c += 4)
+                block_rows_bf16(xb, w[i] + (n + c) * K, b ? b + c : 0, y[i] + n + c, m0, m1, N[i], K,
+                                G - c < 4 ? G - c : 4);
+            g++;
         }
     }
 }
@@ -63,7 +70,7 @@ int treespec_linear_bf16_many(const void *x_in, int x_bf16, int count, const uin
                               const uint16_t *const *bias_in, void *const *y_out, int y_bf16, int64_t M,
                               const int64_t *N, int64_t K) {
     const uint16_t *xb = x_bf16 ? x_in : 0; /* the bf16 roads read it as it is */
-    const int widen = x_bf16 && g_isa == ISA_AVX2;
+    const int widen = x_bf16 && g_isa == ISA_AVX2; /* the panels read x in fp32 */
     float *x = widen ? malloc(sizeof(float) * M * K) : (float *)x_in;
     float *y[count], *bias[count];
     const int team = omp_get_max_threads();

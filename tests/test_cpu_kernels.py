@@ -60,6 +60,29 @@ def test_linear_matches_float64_and_is_batch_invariant(shape, road):
 
 
 @needs_kernels
+def test_panels_hold_the_weight_and_are_made_again_when_it_changes():
+    """The AVX2 road's panel layout holds every weight once (zeros past N), in the order
+    linear_avx2.c reads it; road_weight makes it once per weight, again after an in-place update
+    or for a new tensor, and drops it with the weight; an fp32 x reads panels on every road."""
+    weight = torch.randn(37, 5).bfloat16()  # a partial last panel
+    packed = cpu_kernels.pack_panels(weight)
+    assert packed.shape == (3, 5, 8, 2) and packed.is_contiguous()
+    unpacked = packed.permute(0, 3, 2, 1).reshape(48, 5)  # [p, half, j, k] -> row 16p + 8 half + j
+    assert torch.equal(unpacked[:37], weight) and not unpacked[37:].any()
+    assert cpu_kernels.reads_panels(x_bf16=False)
+    first = cpu_kernels.road_weight(weight, x_bf16=False)
+    assert cpu_kernels.road_weight(weight, x_bf16=False) is first  # made once
+    x = torch.randn(3, 5)
+    before = cpu_kernels.linear_bf16(x, weight)
+    weight.mul_(2)
+    assert cpu_kernels.road_weight(weight, x_bf16=False) is not first
+    assert torch.equal(cpu_kernels.linear_bf16(x, weight), before * 2)  # exact: a power of two
+    key = id(weight)
+    del weight
+    assert key not in cpu_kernels._PANELS
+
+
+@needs_kernels
 def test_linear_refuses_what_it_cannot_take():
     weight = torch.randn(8, 16).bfloat16()
     with pytest.raises(ValueError, match="weight must be a 2-D bf16"):

@@ -191,6 +191,23 @@ def test_a_replaced_parameter_is_read_at_the_next_forward():
     torch.testing.assert_close(after, reference, atol=2e-2, rtol=2e-2)
 
 
+@needs_kernels
+def test_a_weight_updated_in_place_is_read_at_the_next_forward(road):
+    """On every road, the AVX2 road's panel copies included: an in-place update of a weight (and
+    of a bias, which the table holds widened to fp32) changes the next step as the modules see it."""
+    model = build("qwen2", seed=1).to(torch.bfloat16)
+    target = Target(model)
+    before = two_requests_then_a_tree(target, ())[0].logits
+    attn = model.model.layers[1].self_attn
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate_proj.weight.mul_(3)
+        attn.q_proj.bias.add_(1)
+    after = two_requests_then_a_tree(target, ())[0].logits
+    reference = two_requests_then_a_tree(Target(model, fused=False), ())[0].logits
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after, reference, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.skipif(cpu_kernels.best_isa() is None, reason="the kernels need an x86-64 CPU with AVX2 and FMA")
 def test_a_kernel_build_that_fails_says_why_and_raises_nothing(monkeypatch, tmp_path):
     """No compiler, an unwritable cache, a compiler error and a compiler that hangs each leave the

@@ -43,6 +43,42 @@ FAMILIES = {
 _SLOTS = ("input_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down", "q_bias", "k_bias", "v_bias",
           "embed_norm")  # fmt: skip
 _BIASES = tuple(i for i, name in enumerate(_SLOTS) if name.endswith("_bias"))
+_LINEARS = tuple(i for i, name in enumerate(_SLOTS) if name in ("q", "k", "v", "o", "gate", "up", "down"))
+
+
+class StackTable:
+    """The pointer table the C stack reads for some layers' tensors (``len(_SLOTS)`` a layer, None
+    for an empty slot): biases widened to fp32, linear weights as the road reads them
+    (:func:`treespec.kernels.cpu_kernels.road_weight`: panels on the AVX2 road). Both are copies,
+    so :meth:`current` rebuilds the table when a tensor is replaced or updated in place (its
+    version counter moves) or the road changes; the same tensors cost a version read each."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None  # (whether the road reads panels, the copied tensors' versions)
+        self._sources: list[torch.Tensor | None] = []
+        self._kept: list[torch.Tensor | None] = []  # what the table points at
+        self._table: ctypes.Array | None = None
+
+    def current(self, tensors: list[torch.Tensor | None]) -> ctypes.Array:
+        copied = [tensors[i] for i in range(len(tensors)) if i % len(_SLOTS) in _BIASES + _LINEARS]
+        try:
+            versions = tuple(-1 if t is None else t._version for t in copied)
+        except RuntimeError:  # inference tensors: no version counter (nor in-place updates outside one)
+            versions = None
+        key = (cpu_kernels.reads_panels(), versions)
+        if key == self._key and all(a is b for a, b in zip(tensors, self._sources, strict=True)):
+            return self._table
+        kept, pointers = [], []
+        for index, tensor in enumerate(tensors):
+            if tensor is not None and index % len(_SLOTS) in _BIASES:
+                tensor = tensor.detach().float()  # biases go in as fp32: exact widenings
+            elif tensor is not None and index % len(_SLOTS) in _LINEARS:
+                tensor = cpu_kernels.road_weight(tensor)
+            kept.append(tensor)
+            pointers.append(None if tensor is None else tensor.data_ptr())
+        self._key, self._sources, self._kept = key, list(tensors), kept
+        self._table = (ctypes.c_void_p * len(pointers))(*pointers)
+        return self._table
 
 
 _SAID: set[str] = set()
@@ -300,9 +336,9 @@ def describe_path(path: str, reason: str) -> str:
 
 
 class FusedDecoder:
-    """The decoder stack of one model as one C call. Holds pointers into the model's weights:
-    in-place updates show through; a replaced parameter is seen at the next forward (the
-    pointer table is rebuilt); a replaced module is not (build a new Target)."""
+    """The decoder stack of one model as one C call. Holds pointers into the model's weights (or
+    the road's copies of them, :class:`StackTable`): an in-place update or a replaced parameter
+    is seen at the next forward; a replaced module is not (build a new Target)."""
 
     def __init__(self, model: nn.Module) -> None:
         if (reason := fused_refusal(model)) is not None:
@@ -318,6 +354,7 @@ class FusedDecoder:
         self.eps = float(config.rms_norm_eps)
         self.sm_scale = float(model.model.layers[0].self_attn.scaling)
         self._owner_list = self._owners()
+        self._stack = StackTable()
         self._build_table()
         self.rotary = RotaryTable(model.model.rotary_emb, self.head_dim)  # a drafted tree's rows
 
@@ -328,7 +365,7 @@ class FusedDecoder:
     def tree_stack(self) -> tuple:
         """This stack as :func:`draft_tree` reads a draft model's (no fc; every layer, the final
         norm), the pointer table current."""
-        self._current()
+        self._build_table()
         dims = (self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim)
         return (self.model.model.embed_tokens.weight, None, None, self._table, self.num_layers, self._final_norm,
                 dims, self.eps, self.sm_scale)  # fmt: skip
@@ -351,27 +388,10 @@ class FusedDecoder:
         return [None if module is None else module._parameters.get(name) for module, name in self._owner_list]
 
     def _build_table(self) -> None:
+        """The pointer table current (:class:`StackTable`), the final norm and the LM head."""
         tensors = self._tensors()
-        self._sources = tensors
-        kept: list[torch.Tensor] = []
-        pointers = []
-        for index, tensor in enumerate(tensors[:-2]):
-            if tensor is None:
-                pointers.append(None)
-                continue
-            if index % len(_SLOTS) in _BIASES:
-                tensor = tensor.detach().float()  # biases go in as fp32: exact widenings
-                kept.append(tensor)
-            pointers.append(tensor.data_ptr())
-        self._kept = kept
-        self._table = (ctypes.c_void_p * len(pointers))(*pointers)
+        self._table = self._stack.current(tensors[:-2])
         self._final_norm, self._lm_head = tensors[-2], tensors[-1]
-
-    def _current(self) -> None:
-        """Rebuild the pointer table if a parameter was replaced (the same tensors: nothing to do)."""
-        tensors = self._tensors()
-        if any(a is not b for a, b in zip(tensors, self._sources, strict=True)):
-            self._build_table()
 
     def forward(
         self,
@@ -390,7 +410,7 @@ class FusedDecoder:
         Returns (logits [R, V] fp32 of ``logit_rows`` (None: all), final normed hidden [T, H]
         bf16, {layer: [T, H]} for ``hidden_layers``: 0 the embeddings, i the residual stream
         after layer i, num_layers the final normed rows, as HF's ``hidden_states`` number them)."""
-        self._current()
+        self._build_table()
         model = self.model.model
         hidden = model.embed_tokens.weight[tokens]  # a new [T, H] tensor: the C stack works in it
         cos, sin = rotary_tables(model.rotary_emb, hidden, positions, self.head_dim)
@@ -444,8 +464,9 @@ class FusedEagleLayer:
     where the features are the target's), the layer reads [RMSNorm(embedding); RMSNorm(feature)]
     with the feature as its residual, and the read-out goes through the head's own norm first
     (:meth:`read_out`). The same arithmetic as the head's modules on the fused target path: bf16
-    rounding wherever they round, RMSNorm summed in another order. Holds pointers into the head's
-    weights (a replaced parameter is not seen: build a new one)."""
+    rounding wherever they round, RMSNorm summed in another order. Holds the head's weights (or the
+    road's copies, :class:`StackTable`): an in-place update is seen at the next call, a replaced
+    parameter is not (build a new one)."""
 
     def __init__(self, head: nn.Module) -> None:
         if (reason := eagle_refusal(head)) is not None:
@@ -462,17 +483,12 @@ class FusedEagleLayer:
         self.feature_size = config.feature_size
         # EAGLE-3 reads out through its own norm (the layer's output stays the next feature)
         self.readout_norm = head.norm.weight if config.eagle3 else None
-        biases = [
-            None if m.bias is None else m.bias.detach().float()
-            for m in (attn.q_proj, attn.k_proj, attn.v_proj)
-        ]
-        self._kept = [b for b in biases if b is not None]  # fp32 widenings the table points at
         norms = (layer.hidden_norm.weight, layer.input_layernorm.weight) if config.eagle3 else (None, None)
-        slots = [norms[0], attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
-                 layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-                 mlp.down_proj.weight, *biases, norms[1]]  # fmt: skip
-        assert len(slots) == len(_SLOTS)
-        self._table = (ctypes.c_void_p * len(slots))(*[None if t is None else t.data_ptr() for t in slots])
+        self._slots = [norms[0], attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+                       layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                       mlp.down_proj.weight, attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, norms[1]]  # fmt: skip
+        assert len(self._slots) == len(_SLOTS)
+        self._stack = StackTable()
         self._no_outs = (ctypes.c_void_p * 1)()
         self.rotary = RotaryTable(head.rotary, config.head_dim)
 
@@ -501,8 +517,8 @@ class FusedEagleLayer:
         else:
             x = features.clone()  # the C stack works in place: the caller's features stay
         cos, sin = self.rotary(x, positions)
-        run_stack(x, self._table, None, 1, self.shape, self.eps, self.sm_scale, cos, sin, cache, rows, tree_mask,
-                  self._no_outs, embeds if self.eagle3 else None)  # fmt: skip
+        run_stack(x, self._stack.current(self._slots), None, 1, self.shape, self.eps, self.sm_scale, cos, sin, cache,
+                  rows, tree_mask, self._no_outs, embeds if self.eagle3 else None)  # fmt: skip
         return x
 
     def read_out(self, h: torch.Tensor, readout: torch.Tensor) -> torch.Tensor:
@@ -534,6 +550,15 @@ class FusedEagleLayer:
             raise ValueError(
                 f"a catch-up's features need width {self.feature_size}, got {catch_up[1].shape[-1]}"
             )
-        stack = (embed, *self.fc, self._table, 1, None, self.shape, self.eps, self.sm_scale)
+        stack = (
+            embed,
+            *self.fc,
+            self._stack.current(self._slots),
+            1,
+            None,
+            self.shape,
+            self.eps,
+            self.sm_scale,
+        )
         return draft_tree(stack, self.rotary, (readout, column_ids, self.readout_norm), cache, requests,
                           (root_h, None), shape, catch_up)  # fmt: skip

@@ -70,15 +70,7 @@ def resolve_linear_backend(name: str, device: torch.device | str, dtype: torch.d
     return name
 
 
-def _identity(tensor: torch.Tensor | None) -> tuple[int, int, int] | None:
-    """What changes when a tensor is replaced or updated in place: (id, data_ptr, version)."""
-    if tensor is None:
-        return None
-    try:
-        version = tensor._version
-    except RuntimeError:  # an inference tensor has no version counter (nor in-place updates outside one)
-        version = -1
-    return id(tensor), tensor.data_ptr(), version
+_identity = cpu_kernels.tensor_identity
 
 
 class KMajorLinear(nn.Module):

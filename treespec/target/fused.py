@@ -23,6 +23,7 @@ rotary) on a CPU where treespec's kernels build. Anything else runs through the 
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import warnings
 
@@ -44,6 +45,7 @@ _SLOTS = ("input_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down", "
           "embed_norm")  # fmt: skip
 _BIASES = tuple(i for i, name in enumerate(_SLOTS) if name.endswith("_bias"))
 _LINEARS = tuple(i for i, name in enumerate(_SLOTS) if name in ("q", "k", "v", "o", "gate", "up", "down"))
+_VERSION = operator.attrgetter("_version")
 
 
 class StackTable:
@@ -54,29 +56,48 @@ class StackTable:
     version counter moves) or the road changes; the same tensors cost a version read each."""
 
     def __init__(self) -> None:
-        self._key: tuple | None = None  # (whether the road reads panels, the copied tensors' versions)
-        self._sources: list[torch.Tensor | None] = []
+        self._ids: tuple[int, ...] | None = None  # of the tensors the table was built from
+        self._panels = False  # whether the road read panels then
+        self._sources: list[torch.Tensor | None] = []  # those tensors
+        self._copied: list[torch.Tensor] = []  # those of them the table holds copies of
+        self._version = 0  # the sum of their version counters then
         self._kept: list[torch.Tensor | None] = []  # what the table points at
         self._table: ctypes.Array | None = None
 
     def current(self, tensors: list[torch.Tensor | None]) -> ctypes.Array:
-        copied = [tensors[i] for i in range(len(tensors)) if i % len(_SLOTS) in _BIASES + _LINEARS]
-        try:
-            versions = tuple(-1 if t is None else t._version for t in copied)
-        except RuntimeError:  # inference tensors: no version counter (nor in-place updates outside one)
-            versions = None
-        key = (cpu_kernels.reads_panels(), versions)
-        if key == self._key and all(a is b for a, b in zip(tensors, self._sources, strict=True)):
-            return self._table
-        kept, pointers = [], []
+        # the same tensors (by id: the table holds them, so no id is reused meanwhile), none
+        # updated in place (version counters only grow: their sum moves with any of them), the
+        # same road
+        ids = tuple(map(id, tensors))
+        if ids == self._ids and self._panels == cpu_kernels.reads_panels():
+            try:
+                if sum(map(_VERSION, self._copied)) == self._version:
+                    return self._table
+            except RuntimeError:  # inference tensors: no version counter (nor in-place updates outside one)
+                return self._table
+        kept, pointers, copied = [], [], []
         for index, tensor in enumerate(tensors):
-            if tensor is not None and index % len(_SLOTS) in _BIASES:
-                tensor = tensor.detach().float()  # biases go in as fp32: exact widenings
-            elif tensor is not None and index % len(_SLOTS) in _LINEARS:
-                tensor = cpu_kernels.road_weight(tensor)
+            if tensor is not None and index % len(_SLOTS) in _BIASES + _LINEARS:
+                copied.append(tensor)
+                # biases go in as fp32 (exact widenings), linear weights as the road reads them
+                tensor = (
+                    tensor.detach().float()
+                    if index % len(_SLOTS) in _BIASES
+                    else cpu_kernels.road_weight(tensor)
+                )
             kept.append(tensor)
             pointers.append(None if tensor is None else tensor.data_ptr())
-        self._key, self._sources, self._kept = key, list(tensors), kept
+        self._ids, self._panels, self._sources, self._kept, self._copied = (
+            ids,
+            cpu_kernels.reads_panels(),
+            list(tensors),
+            kept,
+            copied,
+        )
+        try:
+            self._version = sum(map(_VERSION, copied))
+        except RuntimeError:
+            self._version = -1
         self._table = (ctypes.c_void_p * len(pointers))(*pointers)
         return self._table
 

@@ -27,7 +27,8 @@ already does.
 On a CPU with AVX2 and FMA, bf16 weights have a better road: treespec's own kernel
 (:mod:`treespec.kernels.cpu_kernels`, backend ``"bf16-kernel"``, what "auto" picks for a bf16
 model there) reads the bf16 weight once for all rows of a step, widens it in registers and
-accumulates in fp32, with no copy at all. Measured on an AVX2 machine (SmolLM2-135M, one step
+accumulates in fp32 (on the AVX2 road through a copy of the weight in panels of 16 output
+columns, :func:`treespec.kernels.cpu_kernels.road_weight`; the other roads read it as it is). Measured on an AVX2 machine (SmolLM2-135M, one step
 in place), a single row costs what PyTorch's bf16 kernel costs and 8 rows cost 1.6-1.9x one row,
 where PyTorch's bf16 kernel costs 3.4-4x and an fp32 copy 3.9x (``docs/results/2026-12-01-cpu-kernels-and-batch-invariance.md``). Every
 row gets the same bits whether it is scored alone or among others, which with the CPU attention
@@ -145,7 +146,7 @@ class _SiblingGroup:
 
 class Bf16KernelLinear(nn.Module):
     """An ``nn.Linear`` whose bf16 products on a CPU run through treespec's kernel
-    (:mod:`treespec.kernels.cpu_kernels`): no copy of the weight, the same bits for a row whatever
+    (:mod:`treespec.kernels.cpu_kernels`; the AVX2 road reads a panel copy of the weight), the same bits for a row whatever
     the rows beside it, one row included. Anything else (other dtypes, gradients, a
     non-contiguous weight) takes ``nn.functional.linear``. It shares the source layer's
     parameter dict, as :class:`KMajorLinear` does. Siblings in :data:`FUSED_SIBLINGS` share a

@@ -81,3 +81,29 @@ def test_the_report_names_the_decoder_path_it_ran(tmp_path, monkeypatch, capsys,
     else:
         assert target["path"] == "modules" and target["path_reason"] == "turned off by TREESPEC_FUSED=0"
         assert "decoder modules (turned off by TREESPEC_FUSED=0)" in printed
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
+def test_cpu_kernels_bench_prints_each_phase_beside_its_floor(tmp_path, capsys):
+    """``treespec bench cpu-kernels`` on a tiny Llama: every phase of the fused step is timed, the
+    linear phases and the attention get the floor of their bytes or FLOPs, and the JSON holds
+    both; a floor is the larger of the two bounds."""
+    from treespec.bench.cpu_kernels import phase_floors
+
+    tiny_model_folder(tmp_path)
+    out = tmp_path / "ck.json"
+    main(["bench", "cpu-kernels", "--model", str(tmp_path / "model"), "--rows", "1", "--sizes", "1,3",
+          "--context", "20", "--repeats", "2", "--out", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "each phase's floor" in printed and "gate/up" in printed
+    step = json.loads(out.read_text())["fused_step"]
+    assert [s["new_tokens"] for s in step] == [1, 3]
+    assert {"qkv", "attention", "o_proj", "gate/up", "down", "lm_head"} == set(step[0]["floors_ms"])
+    assert all(v > 0 for s in step for v in s["floors_ms"].values())
+    config = type("Config", (), dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=1000,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16))  # fmt: skip
+    read = phase_floors(config, 1, 10, bandwidth=1e9, peak=1e12)  # bound by the bytes
+    assert read["qkv"] == pytest.approx(1e3 * 2 * (2 * 64 * 8 * 16) / 1e9)
+    assert read["attention"] == pytest.approx(1e3 * (2 * 2 * 2 * 11 * 16 * 2) / 1e9)
+    compute = phase_floors(config, 10_000, 10, bandwidth=1e9, peak=1e12)  # bound by the FLOPs
+    assert compute["down"] == pytest.approx(1e3 * 2 * 10_000 * (2 * 128 * 64) / 1e12)

@@ -16,8 +16,10 @@ from torch import nn
 
 import treespec
 from treespec.kernels import cpu_kernels
+from treespec.kernels.tree_attention import cpu_rows
 from treespec.proposers import NgramProposer
-from treespec.target import Target, fused
+from treespec.target import Target, fused, runner
+from treespec.target.cache import KVCache
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason())
 ROADS = cpu_kernels.roads()
@@ -189,6 +191,24 @@ def test_a_replaced_parameter_is_read_at_the_next_forward():
     reference = two_requests_then_a_tree(Target(model, fused=False), ())[0].logits
     assert not torch.equal(before, after)
     torch.testing.assert_close(after, reference, atol=2e-2, rtol=2e-2)
+
+
+def test_host_rows_are_what_the_step_metadata_gives():
+    """The fused path's rows and positions, laid out from host lists, equal cpu_rows over the
+    step's metadata (chains and a tree with depths), with the same refusals."""
+    cache = KVCache(1, 3, 1, 32, 4, dtype=torch.float32)
+    cache.lengths = [5, 0, 9]
+    depth = torch.tensor([0, 1, 1, 2, 0, 0, 1])
+    for num_new, slots, d in (([1, 2], [2, 0], None), ([4, 3], [0, 2], depth), ([0, 3], [1, 2], depth[:3])):
+        rows, positions = runner.host_rows(cache, num_new, slots, d)
+        step = runner.StepMetadata.build(cache, num_new, slots, None, d, backend="reference")
+        want = cpu_rows(step.cu_q, step.slots, step.prefix_lens, step.num_rows)
+        assert all(torch.equal(a, b) for a, b in zip(rows, want, strict=True))
+        assert torch.equal(positions, step.q_positions.long())
+    with pytest.raises(ValueError, match="one count >= 0 of new tokens per slot"):
+        runner.host_rows(cache, [1, 2], [0])
+    with pytest.raises(ValueError):
+        runner.host_rows(cache, [30], [2])  # past the cache
 
 
 @needs_kernels

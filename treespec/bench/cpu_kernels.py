@@ -11,7 +11,9 @@ Prints, on each instruction road this CPU has (``avx2``, ``avx512bf16``):
   53 MB) at each row count: ms, GB/s of weight read, GFLOP/s, and both as a share of the peaks;
 * the fused decoder step on the real model at each number of new tokens, on a 300-token cached
   context, split into its phases (a build of the kernel with ``-DTREESPEC_PHASE_TIMES``, which
-  times thread 0 from barrier to barrier), with the LM head and the Python around the C call.
+  times thread 0 from barrier to barrier), with the LM head and the Python around the C call,
+  each phase beside its floor (``phase_floors``: its bytes at the measured bandwidth or its FLOPs
+  at the road's measured peak, whichever is larger) and the step beside the floors' sum.
 
 Run it alone on the machine: two CPU-heavy processes at once make every number meaningless.
 """
@@ -66,7 +68,35 @@ def _fused_size(
             "python_ms": 1e3 * (total - decoder - head), "phases_ms": per_phase}  # fmt: skip
 
 
-def bench_fused(model_name: str, sizes: list[int], context: int, repeats: int) -> list[dict] | str:
+def phase_floors(config, new: int, context: int, bandwidth: float, peak: float) -> dict[str, float]:
+    """Each phase's floor in ms for a step of ``new`` tokens on ``context`` cached ones: the larger
+    of its bytes at the measured read bandwidth and its FLOPs at the road's measured peak. The
+    linear phases read their bf16 weights once (2 FLOPs per weight and row); the attention reads
+    every layer's K and V (bf16) and does 4 FLOPs per query head, key and dim; the LM head is
+    read out over every row. Keys: the phase names the library gives (after their number), and
+    ``lm_head``."""
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    weights = {
+        "qkv": layers * hidden * (heads + 2 * kv_heads) * head_dim,
+        "o_proj": layers * heads * head_dim * hidden,
+        "gate/up": layers * 2 * hidden * inter,
+        "down": layers * inter * hidden,
+        "lm_head": config.vocab_size * hidden,
+    }
+    floors = {
+        name: 1e3 * max(2 * count / bandwidth, 2 * new * count / peak) for name, count in weights.items()
+    }
+    keys = context + new
+    kv_bytes = layers * 2 * kv_heads * keys * head_dim * 2
+    floors["attention"] = 1e3 * max(kv_bytes / bandwidth, layers * 4 * new * heads * keys * head_dim / peak)
+    return floors
+
+
+def bench_fused(
+    model_name: str, sizes: list[int], context: int, repeats: int, bandwidth: float, peak: float
+) -> list[dict] | str:
     lib, reason = cpu_kernels.load_library(("-DTREESPEC_PHASE_TIMES",), name="treespec_cpu_kernels_phases")
     if lib is None:
         return f"no profiling build: {reason}"
@@ -101,6 +131,7 @@ def bench_fused(model_name: str, sizes: list[int], context: int, repeats: int) -
         cpu_kernels.linear_unchecked = timed("lm_head", original_linear)
         for n in sizes:
             out.append(_fused_size(target, cache, n, phases, names, timings, repeats))
+            out[-1]["floors_ms"] = phase_floors(model.config, n, context, bandwidth, peak)
     finally:
         cpu_kernels._load = loaded
         cpu_kernels.decoder_bf16, cpu_kernels.linear_unchecked = original_decoder, original_linear
@@ -127,20 +158,36 @@ def bench_roads(rows: list[int], bandwidth: float, repeats: int) -> dict:
     return roads
 
 
-def print_fused(fused: list[dict] | str, bandwidth: float) -> None:
+def print_fused(fused: list[dict] | str) -> None:
+    """The phases' ms per step size, each beside its floor (``phase_floors``) where it has one,
+    and the whole step beside the sum of the floors."""
     if isinstance(fused, str):
         print(fused)
         return
-    weights_ms = 1e3 * 269.1e6 / bandwidth
-    print(f"(reading the weights once at the measured bandwidth: {weights_ms:.1f} ms)")
     names = list(fused[0]["phases_ms"])
-    print(f"{'phase':<16}" + "".join(f"{r['new_tokens']:>8}" for r in fused))
+    print(
+        "ms per step, and each phase's floor (its bytes at the read bandwidth or its FLOPs at the road's peak)"
+    )
+    print(f"{'phase':<16}" + "".join(f"{r['new_tokens']:>8} {'floor':>6}" for r in fused))
+
+    def row(label: str, values: list[float], floors: list[float | None]) -> None:
+        cells = [
+            f"{v:>8.2f} {'' if f is None else f'{f:.2f}':>6}" for v, f in zip(values, floors, strict=True)
+        ]
+        print(f"{label:<16}" + "".join(cells))
+
     for name in names:
-        print(f"{name:<16}" + "".join(f"{r['phases_ms'][name]:>8.2f}" for r in fused))
-    for key in ("decoder_ms", "lm_head_ms", "python_ms", "step_ms"):
-        print(f"{key:<16}" + "".join(f"{r[key]:>8.2f}" for r in fused))
+        floors = [r["floors_ms"].get(name.split(" ", 1)[1]) for r in fused]
+        row(name, [r["phases_ms"][name] for r in fused], floors)
+    for key in ("decoder_ms", "lm_head_ms", "python_ms"):
+        row(
+            key,
+            [r[key] for r in fused],
+            [r["floors_ms"]["lm_head"] if key == "lm_head_ms" else None for r in fused],
+        )
+    row("step_ms", [r["step_ms"] for r in fused], [sum(r["floors_ms"].values()) for r in fused])
     base = fused[0]["step_ms"]
-    print(f"{'vs one token':<16}" + "".join(f"{r['step_ms'] / base:>8.2f}" for r in fused))
+    print(f"{'vs one token':<16}" + "".join(f"{r['step_ms'] / base:>8.2f} {'':>6}" for r in fused))
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
@@ -162,12 +209,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     chosen = cpu_kernels.isa()
     report["roads"] = bench_roads(rows, bandwidth, args.repeats)
     if sizes:
-        fused = bench_fused(args.model, sizes, args.context, args.repeats)
+        peak = 1e9 * report["roads"][chosen]["peak_GFLOP/s"]
+        fused = bench_fused(args.model, sizes, args.context, args.repeats, bandwidth, peak)
         report["fused_step"] = fused
-        print(
-            f"\nfused step of {args.model} on the {chosen} road, {args.context} cached tokens (ms per step):"
-        )
-        print_fused(fused, bandwidth)
+        print(f"\nfused step of {args.model} on the {chosen} road, {args.context} cached tokens:")
+        print_fused(fused)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.out}")

@@ -374,7 +374,10 @@ class FusedDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.eps = float(config.rms_norm_eps)
         self.sm_scale = float(model.model.layers[0].self_attn.scaling)
-        self._owner_list = self._owners()
+        # (the module's parameter dict, the name) per table entry; {} for an empty slot
+        self._owner_list = [
+            ({} if module is None else module._parameters, name) for module, name in self._owners()
+        ]
         self._stack = StackTable()
         self._build_table()
         self.rotary = RotaryTable(model.model.rotary_emb, self.head_dim)  # a drafted tree's rows
@@ -406,7 +409,7 @@ class FusedDecoder:
     def _tensors(self) -> list[torch.Tensor | None]:
         """Every tensor the C stack reads, in table order: read from the modules' parameter dicts
         (one dict lookup each, not a chain of ``nn.Module.__getattr__``: it runs every step)."""
-        return [None if module is None else module._parameters.get(name) for module, name in self._owner_list]
+        return [parameters.get(name) for parameters, name in self._owner_list]
 
     def _build_table(self) -> None:
         """The pointer table current (:class:`StackTable`), the final norm and the LM head."""

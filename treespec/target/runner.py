@@ -190,6 +190,31 @@ class StepMetadata:
         )
 
 
+def host_rows(
+    cache: KVCache, num_new: Sequence[int], slots: Sequence[int], depth: torch.Tensor | None = None
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """What the fused CPU path reads of a step, laid out from host lists in one tensor: the rows
+    :func:`treespec.kernels.tree_attention.cpu_rows` gives (cache slot, committed length, index
+    among its request's new tokens, that request's count; [T] int64 each) and the rows' sequence
+    positions (committed length + ``depth``, or + index for chains). The checks of
+    :meth:`StepMetadata.build`, without its torch operators (a few hundred microseconds a step
+    on the CPU)."""
+    num_new, slot_list = [int(n) for n in num_new], [int(s) for s in slots]
+    if len(num_new) != len(slot_list) or any(n < 0 for n in num_new):
+        raise ValueError(f"need one count >= 0 of new tokens per slot, got {num_new} for slots {slot_list}")
+    row_slot, row_prefix, row_index, row_new = [], [], [], []
+    for slot, n in zip(slot_list, num_new, strict=True):
+        cache.check_room(slot, n)  # before any compute
+        prefix = cache.lengths[slot]
+        row_slot += [slot] * n
+        row_prefix += [prefix] * n
+        row_index += range(n)
+        row_new += [n] * n
+    table = torch.tensor([row_slot, row_prefix, row_index, row_new], dtype=torch.long).reshape(4, -1)
+    positions = table[1] + (table[2] if depth is None else depth.long())
+    return tuple(table), positions
+
+
 def _treespec_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention hook: [1, H, T, D] in, ([1, T, Hq, D], None) out."""
     step: StepMetadata | None = kwargs.pop(STEP_KWARG, None)
@@ -427,14 +452,14 @@ class Target:
         cu = cu_q.tolist() if isinstance(cu_q, torch.Tensor) else list(cu_q)
         slots = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
         num_new = [end - start for start, end in zip(cu[:-1], cu[1:], strict=True)]
-        step = StepMetadata.build(cache, num_new, slots, tree_mask, depth, backend=self.attention_backend)
-        q_positions = step.q_positions.long()
         if self.fused is not None:
-            rows = cpu_rows(step.cu_q, step.slots, step.prefix_lens, step.num_rows)
+            rows, q_positions = host_rows(cache, num_new, slots, depth)
             logits, hidden, layer_hidden = self.fused.forward(
-                tokens, q_positions, cache, rows, step.tree_mask, logit_rows, hidden_layers
+                tokens, q_positions, cache, rows, tree_mask, logit_rows, hidden_layers
             )
             return TargetOutput(logits=logits, hidden=hidden, layer_hidden=layer_hidden)
+        step = StepMetadata.build(cache, num_new, slots, tree_mask, depth, backend=self.attention_backend)
+        q_positions = step.q_positions.long()
         out = self.runner(
             input_ids=tokens.to(device)[None],
             position_ids=q_positions[None],

@@ -380,7 +380,7 @@ class FusedDecoder:
         ]
         self._stack = StackTable()
         self._build_table()
-        self.rotary = RotaryTable(model.model.rotary_emb, self.head_dim)  # a drafted tree's rows
+        self.rotary = RotaryTable(model.model.rotary_emb, self.head_dim)  # every step's rows, a tree's
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -437,7 +437,7 @@ class FusedDecoder:
         self._build_table()
         model = self.model.model
         hidden = model.embed_tokens.weight[tokens]  # a new [T, H] tensor: the C stack works in it
-        cos, sin = rotary_tables(model.rotary_emb, hidden, positions, self.head_dim)
+        cos, sin = self.rotary(hidden, positions)  # the module's own rows, from a table where it can be
         layer_hidden: dict[int, torch.Tensor] = {}
         outs = (ctypes.c_void_p * self.num_layers)()
         for layer in hidden_layers:

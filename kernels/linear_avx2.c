@@ -67,7 +67,7 @@ static void panel_shape(const float *x, const uint16_t *wp, const float *bias, f
     switch (8 * R + P) {
         PANEL_CASE(1, 1); PANEL_CASE(1, 2); PANEL_CASE(1, 3); PANEL_CASE(1, 4); PANEL_CASE(2, 1); PANEL_CASE(2, 2);
         PANEL_CASE(3, 1); PANEL_CASE(4, 1); PANEL_CASE(5, 1); PANEL_CASE(6, 1);
-        default: break; /* not reached: panel_rows asks only for these */
+        default: break; /* not reached: panel_rows asks R = 1 with P <= 4, R = 2 with P <= 2, R = 3-6 with P = 1 */
     }
 }
 #undef PANEL_CASE

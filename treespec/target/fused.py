@@ -87,13 +87,8 @@ class StackTable:
                 )
             kept.append(tensor)
             pointers.append(None if tensor is None else tensor.data_ptr())
-        self._ids, self._panels, self._sources, self._kept, self._copied = (
-            ids,
-            cpu_kernels.reads_panels(),
-            list(tensors),
-            kept,
-            copied,
-        )
+        self._ids, self._panels = ids, cpu_kernels.reads_panels()
+        self._sources, self._kept, self._copied = list(tensors), kept, copied
         try:
             self._version = sum(map(_VERSION, copied))
         except RuntimeError:
@@ -379,7 +374,7 @@ class FusedDecoder:
             ({} if module is None else module._parameters, name) for module, name in self._owners()
         ]
         self._stack = StackTable()
-        self._build_table()
+        self._current()
         self.rotary = RotaryTable(model.model.rotary_emb, self.head_dim)  # every step's rows, a tree's
 
     @property
@@ -389,7 +384,7 @@ class FusedDecoder:
     def tree_stack(self) -> tuple:
         """This stack as :func:`draft_tree` reads a draft model's (no fc; every layer, the final
         norm), the pointer table current."""
-        self._build_table()
+        self._current()
         dims = (self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim)
         return (self.model.model.embed_tokens.weight, None, None, self._table, self.num_layers, self._final_norm,
                 dims, self.eps, self.sm_scale)  # fmt: skip
@@ -411,7 +406,7 @@ class FusedDecoder:
         (one dict lookup each, not a chain of ``nn.Module.__getattr__``: it runs every step)."""
         return [parameters.get(name) for parameters, name in self._owner_list]
 
-    def _build_table(self) -> None:
+    def _current(self) -> None:
         """The pointer table current (:class:`StackTable`), the final norm and the LM head."""
         tensors = self._tensors()
         self._table = self._stack.current(tensors[:-2])
@@ -434,7 +429,7 @@ class FusedDecoder:
         Returns (logits [R, V] fp32 of ``logit_rows`` (None: all), final normed hidden [T, H]
         bf16, {layer: [T, H]} for ``hidden_layers``: 0 the embeddings, i the residual stream
         after layer i, num_layers the final normed rows, as HF's ``hidden_states`` number them)."""
-        self._build_table()
+        self._current()
         model = self.model.model
         hidden = model.embed_tokens.weight[tokens]  # a new [T, H] tensor: the C stack works in it
         cos, sin = self.rotary(hidden, positions)  # the module's own rows, from a table where it can be

@@ -28,8 +28,8 @@ On a CPU with AVX2 and FMA, bf16 weights have a better road: treespec's own kern
 (:mod:`treespec.kernels.cpu_kernels`, backend ``"bf16-kernel"``, what "auto" picks for a bf16
 model there) reads the bf16 weight once for all rows of a step, widens it in registers and
 accumulates in fp32 (on the AVX2 road through a copy of the weight in panels of 16 output
-columns, :func:`treespec.kernels.cpu_kernels.road_weight`; the other roads read it as it is). Measured on an AVX2 machine (SmolLM2-135M, one step
-in place), a single row costs what PyTorch's bf16 kernel costs and 8 rows cost 1.6-1.9x one row,
+columns, :func:`treespec.kernels.cpu_kernels.road_weight`; the other roads read it as it is).
+Measured on an AVX2 machine (SmolLM2-135M, one step in place), a single row costs what PyTorch's bf16 kernel costs and 8 rows cost 1.6-1.9x one row,
 where PyTorch's bf16 kernel costs 3.4-4x and an fp32 copy 3.9x (``docs/results/2026-12-01-cpu-kernels-and-batch-invariance.md``). Every
 row gets the same bits whether it is scored alone or among others, which with the CPU attention
 kernel makes a Target batch-invariant (``docs/architecture.md``). Layers that read the same input
@@ -71,9 +71,6 @@ def resolve_linear_backend(name: str, device: torch.device | str, dtype: torch.d
     return name
 
 
-_identity = cpu_kernels.tensor_identity
-
-
 class KMajorLinear(nn.Module):
     """An ``nn.Linear`` seen through a column-major fp32 copy of its weight, for several rows.
 
@@ -91,7 +88,7 @@ class KMajorLinear(nn.Module):
 
     def _refresh(self) -> None:
         weight, bias = self.weight, self.bias
-        source_ids = (_identity(weight), _identity(bias))
+        source_ids = (cpu_kernels.tensor_identity(weight), cpu_kernels.tensor_identity(bias))
         if source_ids != self._source_ids:
             self._weight_t = weight.detach().float().t().contiguous()
             self._bias = None if bias is None else bias.detach().float()
@@ -146,8 +143,8 @@ class _SiblingGroup:
 
 class Bf16KernelLinear(nn.Module):
     """An ``nn.Linear`` whose bf16 products on a CPU run through treespec's kernel
-    (:mod:`treespec.kernels.cpu_kernels`; the AVX2 road reads a panel copy of the weight), the same bits for a row whatever
-    the rows beside it, one row included. Anything else (other dtypes, gradients, a
+    (:mod:`treespec.kernels.cpu_kernels`; the AVX2 road reads a panel copy of the weight), the
+    same bits for a row whatever the rows beside it, one row included. Anything else (other dtypes, gradients, a
     non-contiguous weight) takes ``nn.functional.linear``. It shares the source layer's
     parameter dict, as :class:`KMajorLinear` does. Siblings in :data:`FUSED_SIBLINGS` share a
     :class:`_SiblingGroup` (set by :func:`module_view`)."""

@@ -372,6 +372,11 @@ def test_features_cli_writes_the_dev_answers_beside_the_training_ones(tmp_path):
     assert trained_on == {lengths[i] for i in (0, 2, 3, 5)}
     assert main(["train-heads", "train", "--kind", "eagle", "--model", str(tmp_path / "tiny"),
                  "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--epochs", "2",
-                 "--eval-prompts", "0", "--batch-tokens", "64"]) == 0  # fmt: skip
-    history = json.loads((tmp_path / "run" / "report.json").read_text())["history"]
+                 "--eval-prompts", "0", "--batch-tokens", "64", "--loss-on", "answers", "--token-weight",
+                 "0.5", "--feature-noise", "0.2", "--warmup-ratio", "0.05"]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    history = report["history"]
     assert [r["epoch"] for r in history] == [1, 2] and all(r["dev_loss"] > 0 for r in history)
+    assert all(len(r["dev_top1"]) == 1 for r in history)  # EAGLE: the first draft's agreement
+    recipe = {k: report["config"][k] for k in ("loss_on", "token_weight", "feature_noise", "warmup_ratio")}
+    assert recipe == {"loss_on": "answers", "token_weight": 0.5, "feature_noise": 0.2, "warmup_ratio": 0.05}

@@ -3,6 +3,7 @@ load and propose, bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -19,6 +20,8 @@ from treespec.heads.training.train import (
     TrainConfig,
     build_module,
     dev_loss,
+    dev_metrics,
+    lr_lambda,
     make_batches,
     token_subset,
     train,
@@ -182,6 +185,105 @@ def test_each_epoch_reports_the_loss_on_held_out_sequences(tiny_data, tmp_path, 
     assert losses[-1] < losses[0]
     with pytest.raises(ValueError, match="at least one held-out sequence"):
         dev_loss(config, untrained, model, [])
+
+
+def _only_prompt(seq):
+    """The sequence with its answer moved past its end: no position predicts an answer token (the
+    last one predicts the token after the sequence, which the target would generate)."""
+    return dataclasses.replace(seq, prompt_len=len(seq.tokens) + 2)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft"])
+def test_the_loss_on_answers_reads_only_positions_whose_token_the_target_generated(tiny_data, kind):
+    model, folder = tiny_data
+    data = HeadDataset(folder, model)
+    model.float().requires_grad_(False)
+    config = TrainConfig(kind=kind, draft_layers=1, draft_vocab_size=64, feature_noise=0.0, loss_on="answers")
+    module = build_module(config, model, data)
+    seq = data.sequences()[2]
+    # a prompt of one token: every position predicts an answer token, so both settings agree
+    short = dataclasses.replace(seq, prompt_len=1)
+    every = dataclasses.replace(config, loss_on="all")
+    torch.testing.assert_close(
+        LOSSES[kind](module, model, [short], config), LOSSES[kind](module, model, [short], every)
+    )
+    # all prompt: nothing to learn under "answers" (a zero that still back-propagates), not so under "all"
+    none = LOSSES[kind](module, model, [_only_prompt(seq)], config)
+    assert none.item() == 0.0 and none.requires_grad
+    assert LOSSES[kind](module, model, [_only_prompt(seq)], every).item() > 0
+    # the real split: the answers' loss differs from the loss over every position
+    assert (
+        LOSSES[kind](module, model, [seq], config).item() != LOSSES[kind](module, model, [seq], every).item()
+    )
+
+
+def test_the_token_weight_scales_the_eagle_token_loss(tiny_data):
+    model, folder = tiny_data
+    data = HeadDataset(folder, model)
+    model.float().requires_grad_(False)
+    config = TrainConfig(kind="eagle", draft_vocab_size=64, feature_noise=0.0)
+    head = build_module(config, model, data)
+    batch = data.sequences()[:3]
+    loss = {w: LOSSES["eagle"](head, model, batch, dataclasses.replace(config, token_weight=w)).item()
+            for w in (0.0, 0.1, 1.0)}  # fmt: skip
+    assert loss[0.0] < loss[0.1] < loss[1.0]
+    assert loss[1.0] - loss[0.0] == pytest.approx(10 * (loss[0.1] - loss[0.0]), rel=1e-4)
+
+
+def test_warmup_ratio_sets_the_warmup_from_the_runs_length():
+    factor = lr_lambda(TrainConfig(kind="eagle", warmup_steps=3, warmup_ratio=0.1), 100)
+    assert [factor(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert factor(99) == pytest.approx(0.1, abs=1e-3)  # cosine to 10 % at the end
+    steps = lr_lambda(TrainConfig(kind="eagle", warmup_steps=4), 100)
+    assert [steps(s) for s in (0, 3)] == pytest.approx([0.25, 1.0])
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("loss_on", "prompts", "loss_on must be one of"),
+        ("warmup_ratio", 1.5, "warmup_ratio must be in"),
+        ("feature_noise", -0.1, "feature_noise must be >= 0"),
+        ("token_weight", -1.0, "token_weight must be >= 0"),
+    ],
+)
+def test_bad_recipe_settings_are_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(kind="eagle", **{field: value})
+
+
+def test_dev_top1_counts_the_answer_positions_per_step(tiny_data):
+    """EAGLE kinds report, per step of the training-time test, the share of held-out answer
+    positions whose top draft is the target's top token: one number per step, whatever the loss
+    reads (here all positions or only the answers give the same share)."""
+    model, folder = tiny_data
+    data = HeadDataset(folder, model)
+    model.float().requires_grad_(False)
+    config = TrainConfig(kind="eagle", draft_vocab_size=64, ttt_steps=2, batch_tokens=40)
+    head = build_module(config, model, data)
+    held_out = data.sequences()[:3]
+    metrics = dev_metrics(config, head, model, held_out)
+    assert len(metrics["dev_top1"]) == 2 and all(0.0 <= a <= 1.0 for a in metrics["dev_top1"])
+    answers = dev_metrics(dataclasses.replace(config, loss_on="answers"), head, model, held_out)
+    assert answers["dev_top1"] == metrics["dev_top1"]
+    assert "dev_top1" not in dev_metrics(TrainConfig(kind="medusa", batch_tokens=40), build_module(
+        TrainConfig(kind="medusa"), model, data), model, held_out)  # fmt: skip
+
+
+def test_a_resumed_run_refuses_another_recipe_and_names_what_differs(tiny_data, tmp_path):
+    model, folder = tiny_data
+    data = HeadDataset(folder, model)
+    config = TrainConfig(kind="eagle", epochs=1, batch_tokens=40, warmup_steps=1, eval_prompts=0)
+    train(config, model, data, tmp_path, max_steps=1, progress=False)
+    with pytest.raises(
+        ValueError, match=r"another configuration \(feature_noise: 0.1 -> 0.2, lr: 0.001 -> 0.0003\)"
+    ):
+        train(dataclasses.replace(config, lr=3e-4, feature_noise=0.2), model, data, tmp_path, resume=True,
+              progress=False)  # fmt: skip
+    # what does not change what is learnt may change
+    report = train(dataclasses.replace(config, checkpoint_every=5), model, data, tmp_path, resume=True,
+                   progress=False)  # fmt: skip
+    assert report["history"][-1]["epoch"] == 1
 
 
 def test_token_subsets_nest_and_count_answer_tokens(tiny_data):

@@ -493,6 +493,13 @@ def _add_train_stage(stages: argparse._SubParsersAction) -> None:
     option("epochs", type=int)
     option("lr", type=float)
     option("warmup_steps", type=int)
+    option(
+        "warmup_ratio", type=float, help="warm-up as a fraction of the run's steps (overrides --warmup-steps)"
+    )
+    option("feature_noise", type=float, help="EAGLE-1: uniform noise on the input features, +-this")
+    option("token_weight", type=float, help="EAGLE-1: the token loss's weight against the feature loss")
+    option("loss_on", choices=["all", "answers"],
+           help="positions the loss reads: all (the prompts' included) or the answers' only (EAGLE kinds, draft)")  # fmt: skip
     option("batch_tokens", type=int, help="positions per batch")
     option("max_seq_len", type=int)
     option("grad_clip", type=float)

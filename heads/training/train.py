@@ -4,9 +4,10 @@ Losses (per position t of a sequence x_0 .. x_{n-1} with the target's final hidd
 its distribution p_t = softmax(lm_head(h_t)) over x_{t+1}):
 
 - ``eagle`` (EAGLE-1): the head reads pairs (h_t + noise, x_{t+1}) and outputs o_t; loss =
-  SmoothL1(o_t, h_{t+1}) + 0.1 * CE(lm_head(o_t), p_{t+1}) (the EAGLE paper's feature
-  regression plus token cross-entropy against the target's distribution). With a draft
-  vocabulary (``draft_vocab_size``) the CE runs over those rows of the LM head, as inference does.
+  SmoothL1(o_t, h_{t+1}) + w * CE(lm_head(o_t), p_{t+1}) (the EAGLE paper's feature
+  regression plus token cross-entropy against the target's distribution, ``token_weight`` w =
+  0.1 as the paper). With a draft vocabulary (``draft_vocab_size``) the CE runs over those rows
+  of the LM head, as inference does.
 - both EAGLE kinds, with ``ttt_steps`` > 1: EAGLE-3's training-time test, the head run again on
   its own outputs (:class:`UnrolledAttention`), each step's loss weighted ``ttt_decay**step``.
 - ``eagle3``: pairs (three-layer features, x_{t+1}); loss = CE of the head's draft-vocabulary
@@ -17,12 +18,15 @@ its distribution p_t = softmax(lm_head(h_t)) over x_{t+1}):
   whose x_{t+2} is generated, weighted 0.8^i.
 - ``draft``: the target's first layers (heads/draft.py) trained with CE against p_t at every
   position (distillation on the target's distribution).
+- ``loss_on``: "all" positions (the prompts' included), or "answers": only the positions whose
+  predicted token the target generated (EAGLE: x_{t+2}; draft: x_{t+1}). Medusa always trains
+  on the answers.
 - Medusa and draft read out through the first ``draft_vocab_size`` rows of the LM head (the
   frequent ids of a BPE vocabulary), as ``treespec bench`` drafts with them: the teacher's
   distribution is renormalised over them.
 
-AdamW, linear warm-up then cosine decay to 10 %, gradient clipping, a checkpoint after every
-epoch (and every ``checkpoint_every`` steps) that ``resume`` continues from exactly (model,
+AdamW, linear warm-up (``warmup_steps``, or ``warmup_ratio`` of the run) then cosine decay to
+10 %, gradient clipping, a checkpoint after every epoch (and every ``checkpoint_every`` steps) that ``resume`` continues from exactly (model,
 optimiser, schedule, data order), tau through the real engine at T=0 on the dev prompts after
 each epoch, and a JSON report. Under ``torchrun`` it trains with DDP (gloo), each rank taking
 every world-th batch; rank 0 writes and evaluates.
@@ -56,6 +60,9 @@ from treespec.proposers import DraftModelProposer, EagleProposer, MedusaProposer
 
 KINDS = ("eagle", "eagle3", "medusa", "draft")
 PRECISIONS = ("fp32", "bf16")
+LOSS_ON = ("all", "answers")
+# TrainConfig fields a resumed run may change: they do not change what is learnt
+RESUMABLE_CHANGES = frozenset({"checkpoint_every", "eval_prompts", "eval_new_tokens"})
 CHECKPOINT = "checkpoint.pt"
 
 
@@ -65,11 +72,14 @@ class TrainConfig:
     epochs: int = 2
     lr: float = 1e-3
     warmup_steps: int = 20
+    warmup_ratio: float | None = None  # warm-up as a fraction of the run's steps (overrides warmup_steps)
     batch_tokens: int = 2048
     max_seq_len: int = 512
     weight_decay: float = 0.0
     grad_clip: float = 0.5
-    feature_noise: float = 0.1  # EAGLE-1: uniform noise on the input features
+    feature_noise: float = 0.1  # EAGLE-1: uniform noise on the input features, +-this
+    token_weight: float = 0.1  # EAGLE-1: the token loss's weight against the feature loss
+    loss_on: str = "all"  # "all" positions, or the "answers" only (EAGLE kinds, draft)
     # EAGLE-3's training-time test: the head also runs on its own outputs, this many steps in all
     # (1: only on the target's features), each step's loss weighted ttt_decay**step
     ttt_steps: int = 1
@@ -99,6 +109,19 @@ class TrainConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.data_tokens is not None and (not isinstance(self.data_tokens, int) or self.data_tokens < 1):
             raise ValueError(f"data_tokens must be a positive int or None, got {self.data_tokens!r}")
+        if self.loss_on not in LOSS_ON:
+            raise ValueError(f"loss_on must be one of {LOSS_ON}, got {self.loss_on!r}")
+        if self.warmup_ratio is not None and not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1) or None, got {self.warmup_ratio!r}")
+        for name in ("feature_noise", "token_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    def warmup(self, total_steps: int) -> int:
+        """Warm-up steps of a run of ``total_steps``: ``warmup_ratio`` of them where set."""
+        if self.warmup_ratio is None:
+            return self.warmup_steps
+        return max(1, round(self.warmup_ratio * total_steps))
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,9 +285,18 @@ class UnrolledAttention:
         return out.transpose(1, 2)[self.seq, self.pos]  # [T, Hq, D]
 
 
-def eagle_loss(head: EagleHead, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
+def eagle_loss(
+    head: EagleHead,
+    target: PreTrainedModel,
+    batch: list[Sequence],
+    config: TrainConfig,
+    stats: dict | None = None,
+):
     """EAGLE's loss at each step of the training-time test (``config.ttt_steps``; 1 = EAGLE-1's
-    and EAGLE-3's step-0 loss alone)."""
+    and EAGLE-3's step-0 loss alone). With ``stats`` (a dict), it also counts per step, over the
+    answer positions, how often the head's top token is the target's top token within the
+    read-out (``stats["correct"][step]``, ``stats["count"][step]``): the held-out number
+    :func:`dev_loss` reports beside the loss, comparable between losses."""
     lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
     rows = _flat(batch, config.max_seq_len)
     lengths = [len(t) - 1 for t, *_ in rows]
@@ -272,6 +304,8 @@ def eagle_loss(head: EagleHead, target: PreTrainedModel, batch: list[Sequence], 
     eagle3 = head.config.eagle3
     features = torch.cat([(f if eagle3 else h)[:-1] for t, h, f, _ in rows])
     next_hidden = torch.cat([h[1:] for t, h, f, _ in rows])  # h_{t+1}
+    # row t predicts x_{t+2}: an answer token from t = prompt_len - 2 on
+    answer = torch.cat([torch.arange(n) >= p - 2 for n, (*_, p) in zip(lengths, rows, strict=True)])
     if not eagle3 and config.feature_noise:
         features = features + (torch.rand_like(features) * 2 - 1) * config.feature_noise
     attention = UnrolledAttention(lengths)
@@ -289,20 +323,41 @@ def eagle_loss(head: EagleHead, target: PreTrainedModel, batch: list[Sequence], 
     for step in range(config.ttt_steps):
         out = head(embeds, inputs, attention.pos, attention)
         keep = attention.valid(step)
+        if config.loss_on == "answers":
+            keep = keep & answer
         if not keep.any():
             break
+        logits = head.logits(out[keep], lm_head)
         if eagle3:
-            loss = soft_ce(head.logits(out[keep], lm_head), probs[keep])
+            loss = soft_ce(logits, probs[keep])
         else:
-            token_loss = soft_ce(head.logits(out[keep], lm_head), probs[keep])
-            loss = F.smooth_l1_loss(out[keep], next_hidden[keep]) + 0.1 * token_loss
+            loss = F.smooth_l1_loss(out[keep], next_hidden[keep]) + config.token_weight * soft_ce(
+                logits, probs[keep]
+            )
+        if stats is not None:
+            _count_top1(stats, step, logits, probs[keep], answer[keep])
         total = total + config.ttt_decay**step * loss
         weights += config.ttt_decay**step
         # The next step's input at position t is this step's output at t - 1 (same sequence).
         shifted = torch.roll(out, 1, dims=0)
         shifted[first] = 0.0
         inputs = shifted
+    if not weights:  # no position to learn from in this batch (answers only, all prompt)
+        return sum(p.sum() for p in trainable(head)) * 0
     return total / weights
+
+
+def _count_top1(
+    stats: dict, step: int, logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """Add a step's top-1 agreement on ``rows`` (the answer positions among those scored)."""
+    correct, count = stats.setdefault("correct", []), stats.setdefault("count", [])
+    while len(correct) <= step:
+        correct.append(0)
+        count.append(0)
+    hits = logits[rows].argmax(-1) == probs[rows].argmax(-1)
+    correct[step] += int(hits.sum())
+    count[step] += int(rows.sum())
 
 
 def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
@@ -348,11 +403,18 @@ def draft_loss(draft: PreTrainedModel, target: PreTrainedModel, batch: list[Sequ
         ids[b, : len(tokens)], mask[b, : len(tokens)] = tokens, 1
     readout = FirstRows(lm_head, readout_size(config, target))
     keep = mask.bool()
+    if config.loss_on == "answers":  # position t predicts x_{t+1}: an answer from prompt_len - 1 on
+        prompt = torch.tensor([p for *_, p in rows])
+        keep = keep & (torch.arange(width)[None, :] >= prompt[:, None] - 1)
+        if not keep.any():
+            return sum(p.sum() for p in trainable(draft)) * 0
     hidden = draft.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     logits = readout(hidden[keep])
     with torch.no_grad():
-        teacher = torch.softmax(readout(torch.cat([h for _, h, _, _ in rows])).float(), -1)
-    return soft_ce(logits, teacher)
+        teacher = torch.softmax(
+            readout(torch.cat([h for _, h, _, _ in rows])).float(), -1
+        )  # every real position
+    return soft_ce(logits, teacher[keep[mask.bool()]])
 
 
 class FirstRows(nn.Module):
@@ -384,10 +446,12 @@ LOSSES = {"eagle": eagle_loss, "eagle3": eagle_loss, "medusa": medusa_loss, "dra
 
 
 def lr_lambda(config: TrainConfig, total_steps: int):
+    warmup = config.warmup(total_steps)
+
     def factor(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return factor
@@ -468,7 +532,9 @@ class _Loop:
         self.planned = {"sequences": len(sequences), "positions": sum(len(s.tokens) for s in sequences),
                         "batch_tokens": config.batch_tokens, "max_seq_len": config.max_seq_len,
                         "epochs": config.epochs, "seed": config.seed, "world": self.world}  # fmt: skip
-        self.state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "planned": self.planned}
+        self.recipe = {k: v for k, v in asdict(config).items() if k not in RESUMABLE_CHANGES}
+        self.state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "planned": self.planned,
+                      "recipe": self.recipe}  # fmt: skip
         self.dev: list[Sequence] | None = None  # held-out sequences: each epoch's dev_loss
         self.start = time.perf_counter()
         self.before = 0.0  # seconds trained by the runs this one resumes
@@ -480,6 +546,14 @@ class _Loop:
             raise ValueError(
                 f"{path} was trained on other data or another plan ({self.state['planned']}); "
                 f"this run has {self.planned}. Resume with the same data and options, or use a new --out folder"
+            )
+        saved = self.state.get("recipe", self.recipe)  # checkpoints before the recipe was kept: trusted
+        differ = sorted(k for k in set(saved) | set(self.recipe) if saved.get(k) != self.recipe.get(k))
+        if differ:
+            changes = ", ".join(f"{k}: {saved.get(k)!r} -> {self.recipe.get(k)!r}" for k in differ)
+            raise ValueError(
+                f"{path} was trained with another configuration ({changes}); resume with the options it "
+                "was started with, or use a new --out folder"
             )
         self.before = self.state.get("train_s", 0.0)
 
@@ -547,7 +621,7 @@ class _Loop:
             "mean_loss": sum(losses) / max(len(losses), 1),
         }
         if self.rank == 0 and self.dev:
-            record["dev_loss"] = dev_loss(self.config, self.module, self.target, self.dev)
+            record.update(dev_metrics(self.config, self.module, self.target, self.dev))
         if self.rank == 0 and eval_prompts:
             record.update(evaluate(self.config, self.module, self.target, eval_prompts))
         state["history"].append(record)
@@ -615,20 +689,35 @@ def dev_loss(
     stops paying: the same loss as training (its training-time test included) without the
     feature noise, no gradients, the module in eval mode; the batches' losses averaged weighted
     by their positions. Batches are packed as epoch 0 packs them, so the number is repeatable."""
+    return dev_metrics(config, module, target, sequences)["dev_loss"]
+
+
+def dev_metrics(
+    config: TrainConfig, module: nn.Module, target: PreTrainedModel, sequences: list[Sequence]
+) -> dict:
+    """``dev_loss`` (:func:`dev_loss`) and, for EAGLE kinds, ``dev_top1``: per step of the
+    training-time test, the share of held-out answer positions whose top drafted token is the
+    target's top token within the read-out. The loss changes with the loss's settings
+    (``token_weight``, ``loss_on``); ``dev_top1`` does not, so it compares recipes."""
     if not sequences:
         raise ValueError("dev_loss needs at least one held-out sequence, got none")
     quiet = replace(config, feature_noise=0.0)
     was_training = module.training
     module.eval()
-    total, positions = 0.0, 0
+    total, positions, stats = 0.0, 0, {}
+    eagle = config.kind in ("eagle", "eagle3")
     with torch.no_grad(), _autocast(config, target):
         for batch in make_batches(sequences, config, 0):
             chosen = [sequences[i] for i in batch]
             n = sum(len(s.tokens) for s in chosen)
-            total += LOSSES[config.kind](module, target, chosen, quiet).item() * n
+            extra = {"stats": stats} if eagle else {}
+            total += LOSSES[config.kind](module, target, chosen, quiet, **extra).item() * n
             positions += n
     module.train(was_training)
-    return total / positions
+    metrics = {"dev_loss": total / positions}
+    if stats:
+        metrics["dev_top1"] = [c / max(n, 1) for c, n in zip(stats["correct"], stats["count"], strict=True)]
+    return metrics
 
 
 def expand_histogram(histogram: dict) -> list[int]:

@@ -108,8 +108,15 @@ def export_published_medusa(
     """Write heads for ``target`` in the published layout (safetensors), as vLLM's ``medusa``
     drafter loads it. Heads that read out through the target's LM head need the model itself
     (not only its config): the published layout stores a read-out per head. Heads of another
-    hidden size or vocabulary than the target's are refused."""
+    hidden size or vocabulary than the target's are refused, and so are conditioned heads (the
+    published layout has no place for their input layers: save them with ``heads.save``)."""
     config = heads.config
+    if config.conditioned:
+        raise ValueError(
+            "conditioned Medusa heads read the drafted tokens through input layers the published "
+            "Medusa layout has no place for (vLLM's medusa drafter could not run them): save them in "
+            "treespec's own layout with heads.save(folder)"
+        )
     TargetShape.of(target).check(
         "the Medusa heads", hidden_size=config.hidden_size, vocab_size=config.vocab_size
     )

@@ -61,6 +61,9 @@ def export(kind: str, where: str, model, folder: Path) -> Path:
         found = {False: "an EAGLE-1 head", True: "an EAGLE-3 head", None: "Medusa heads"}[is_eagle3]
         raise SystemExit(f"--heads {kind}={where}: that is {found}, not a {kind} head")
     if kind == "medusa":
+        if head.config.conditioned:
+            raise SystemExit(f"--heads medusa={where}: conditioned Medusa heads have no published layout "
+                             "vLLM can load (its medusa drafter reads plain heads only); nothing to compare")  # fmt: skip
         return heads_module.export_published_medusa(head, folder, target=model)
     return heads_module.export_published_eagle(head, folder, target=model)
 

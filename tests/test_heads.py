@@ -288,3 +288,87 @@ def test_a_reduced_medusa_readout_drafts_only_its_tokens_and_keeps_the_output(tr
         MedusaProposer(heads, model, readout_ids=[3, 3, 4], **kwargs)
     with pytest.raises(ValueError, match="target's LM head"):
         MedusaProposer(random_heads(model, own_lm_head=True), model, readout_ids=ids, **kwargs)
+
+
+def conditioned_heads(model, *, own_lm_head=False, seed=0) -> MedusaHeads:
+    torch.manual_seed(seed)
+    config = MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=3, num_layers=1,
+                          own_lm_head=own_lm_head, conditioned=True)  # fmt: skip
+    heads = MedusaHeads(config)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return heads.eval()
+
+
+def test_a_new_conditioned_head_is_the_plain_head_and_round_trips(tmp_path):
+    """Its input layers start by passing h through, so before training a conditioned head
+    guesses what the plain head with the same blocks guesses, whatever the tokens before."""
+    plain = MedusaHeads(MedusaConfig(16, 32, num_heads=2, num_layers=1))
+    conditioned = MedusaHeads(MedusaConfig(16, 32, num_heads=2, num_layers=1, conditioned=True))
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    conditioned.load_state_dict(plain.state_dict(), strict=False)
+    hidden, embeds = torch.randn(4, 16), torch.randn(4, 2, 16)
+    torch.testing.assert_close(conditioned(hidden, embeds=embeds), plain(hidden), atol=1e-6, rtol=0)
+    conditioned.save(tmp_path / "hydra")
+    loaded = heads_module.load(tmp_path / "hydra")
+    assert loaded.config.conditioned
+    torch.testing.assert_close(
+        loaded(hidden, embeds=embeds), conditioned(hidden, embeds=embeds), atol=0, rtol=0
+    )
+    with pytest.raises(ValueError, match=r"reads the embeddings of the 2 tokens before its guess"):
+        conditioned(hidden, embeds=embeds[:, :1])
+    with pytest.raises(ValueError, match="embeddings"):
+        conditioned(hidden)
+
+
+@pytest.mark.parametrize("own_lm_head", [True, False])
+def test_random_conditioned_heads_keep_the_output_exact(own_lm_head):
+    model, want = oracle_table(PROMPTS, NEW)("llama")
+    heads = conditioned_heads(model, own_lm_head=own_lm_head)
+    for chunk in (None, 3):
+        proposer = MedusaProposer(heads, model, dynamic=(2, 7))
+        out = treespec.generate(
+            model, PROMPTS, max_new_tokens=NEW, proposer=proposer, prefill_chunk_size=chunk
+        )
+        assert out.sequences == want
+        assert sum(map(len, out.stats.accepted_lengths)) > 0
+
+
+def test_a_conditioned_tree_drafts_each_nodes_children_from_its_own_path():
+    model = build("llama")
+    heads = conditioned_heads(model)
+    proposer = MedusaProposer(heads, model, dynamic=(3, 9))
+    assert "conditioned" in proposer.drafting_paths()["medusa heads"]
+    hidden = torch.randn(model.config.hidden_size)
+    proposer.observe(StepResult([RequestResult(0, [1], [-1], [0], [5], hidden[None])]))
+    tree = proposer.propose([ProposalRequest(0, [1, 5], 1, SamplingParams(), 10)])
+    embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    with torch.no_grad():
+        first = heads.readout(0, heads.head_features(0, hidden[None], embed[[5]][None]), lm_head)[0]
+        assert tree.tokens[1] == first.argmax()
+        parents = tree.parents.tolist()
+        for node in range(1, tree.num_nodes):
+            children = [c for c in range(tree.num_nodes) if parents[c] == node]
+            if not children or parents[node] != 0:
+                continue
+            path = embed[[5, int(tree.tokens[node])]][None]  # the root, then this depth-1 node
+            logits = heads.readout(1, heads.head_features(1, hidden[None], path), lm_head)[0]
+            assert {int(tree.tokens[c]) for c in children} <= set(logits.topk(3).indices.tolist())
+    # two depth-1 nodes see different paths: their children's distributions differ
+    depth1 = [n for n in range(1, tree.num_nodes) if parents[n] == 0][:2]
+    with torch.no_grad():
+        a, b = (heads.readout(1, heads.head_features(1, hidden[None], embed[[5, int(tree.tokens[n])]][None]),
+                              lm_head) for n in depth1)  # fmt: skip
+    assert not torch.equal(a, b)
+
+
+def test_conditioned_heads_refuse_static_trees_and_the_published_layout(tmp_path):
+    model = build("llama")
+    heads = conditioned_heads(model)
+    with pytest.raises(ValueError, match="conditioned Medusa heads draft level by level"):
+        MedusaProposer(heads, model, tree=full_tree(2, 2))
+    with pytest.raises(ValueError, match="no place for"):
+        heads_module.export_published_medusa(heads, tmp_path / "out", target=model)
+    with pytest.raises(TypeError, match="conditioned must be a bool"):
+        MedusaConfig(16, 32, conditioned=1)

@@ -82,14 +82,17 @@ def test_data_resumes_after_a_kill(tiny_data, tmp_path, monkeypatch):
     assert all(torch.equal(a.hidden, b.hidden) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "draft", "eagle-ttt", "eagle3-ttt"])
+@pytest.mark.parametrize(
+    "kind", ["eagle", "eagle3", "medusa", "draft", "eagle-ttt", "eagle3-ttt", "medusa-conditioned"]
+)
 def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tiny_data, kind):
     model, folder = tiny_data
     data = HeadDataset(folder, model)
     ttt = 3 if kind.endswith("-ttt") else 1
-    kind = kind.removesuffix("-ttt")
+    conditioned = kind.endswith("-conditioned")
+    kind = kind.removesuffix("-ttt").removesuffix("-conditioned")
     config = TrainConfig(kind=kind, draft_layers=1, draft_vocab_size=64, medusa_heads=2, feature_noise=0.0,
-                         ttt_steps=ttt)  # fmt: skip
+                         ttt_steps=ttt, medusa_conditioned=conditioned)  # fmt: skip
     model.float().requires_grad_(False)
     module = build_module(config, model, data)
     batch = data.sequences()[:4]
@@ -116,9 +119,10 @@ def test_medusa_heads_learn_the_targets_distribution_of_the_token_they_draft(tin
     logits = torch.randn(n - 1 - (p - 2), 2, 40, generator=torch.Generator().manual_seed(0))
 
     class Fixed:  # stands in for MedusaHeads: fixed logits for the rows the loss hands over
-        config = SimpleNamespace(num_heads=2)
+        config = SimpleNamespace(num_heads=2, conditioned=False)
 
-        def __call__(self, rows, readout):
+        def __call__(self, rows, readout, embeds=None):
+            assert embeds is None
             assert torch.equal(rows, seq.hidden[p - 2 : n - 1].float())
             return logits
 
@@ -131,6 +135,29 @@ def test_medusa_heads_learn_the_targets_distribution_of_the_token_they_draft(tin
         ce = -(teacher[t + i + 1] * torch.log_softmax(logits[t - (p - 2), i], -1)).sum(-1).mean()
         want += 0.8**i * ce
     torch.testing.assert_close(got, want / 1.8)
+
+
+def test_conditioned_medusa_heads_read_the_tokens_before_their_guess(tiny_data):
+    """Teacher forcing: at position t head i reads the embeddings of x_{t+1} .. x_{t+i+1} (the
+    loss hands every head x_{t+1} .. x_{t+K}; head i reads its first i + 1)."""
+    from types import SimpleNamespace
+
+    model, folder = tiny_data
+    seq = HeadDataset(folder, model).sequences()[2]
+    n, p = len(seq.tokens), seq.prompt_len
+    seen = {}
+
+    class Fixed:
+        config = SimpleNamespace(num_heads=2, conditioned=True)
+
+        def __call__(self, rows, readout, embeds=None):
+            seen["embeds"] = embeds
+            return torch.zeros(len(rows), 2, 40, requires_grad=True)
+
+    LOSSES["medusa"](Fixed(), model, [seq], TrainConfig(kind="medusa", draft_vocab_size=40))
+    t = torch.arange(p - 2, n - 1)
+    at = (t[:, None] + 1 + torch.arange(2)).clamp(max=n - 1)
+    torch.testing.assert_close(seen["embeds"], model.get_input_embeddings()(seq.tokens[at]).float())
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])

@@ -504,6 +504,8 @@ def _add_train_stage(stages: argparse._SubParsersAction) -> None:
     option("max_seq_len", type=int)
     option("grad_clip", type=float)
     option("medusa_heads", type=int)
+    option("medusa_conditioned", action="store_true",
+           help="Medusa: each head also reads the tokens drafted before its guess (Hydra's heads)")  # fmt: skip
     option("draft_layers", type=int)
     option("draft_vocab_size", type=int,
            help="read-out vocabulary: EAGLE kinds, the data's most frequent tokens; Medusa and "

@@ -85,6 +85,7 @@ class TrainConfig:
     ttt_steps: int = 1
     ttt_decay: float = 0.8
     medusa_heads: int = 3
+    medusa_conditioned: bool = False  # Medusa: each head also reads the tokens before its guess (Hydra)
     draft_layers: int = 2
     draft_vocab_size: int = (
         DRAFT_VOCAB  # read-out rows (0: all): EAGLE, the most frequent tokens; else the first ids
@@ -159,7 +160,8 @@ def build_module(
     if config.kind == "medusa":
         hidden = target.config.get_text_config().hidden_size
         return MedusaHeads(MedusaConfig(hidden, target.get_output_embeddings().weight.shape[0],
-                                        num_heads=config.medusa_heads, num_layers=1, own_lm_head=False))  # fmt: skip
+                                        num_heads=config.medusa_heads, num_layers=1, own_lm_head=False,
+                                        conditioned=config.medusa_conditioned))  # fmt: skip
     draft = make_draft(target, config.draft_layers)
     draft.float()
     return draft
@@ -363,10 +365,13 @@ def _count_top1(
 def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
     """Self-distillation (Medusa-2): head i at position t learns the target's distribution of
     x_{t+i+2}, the softmax of its LM head at h_{t+i+1}, over the read-out's rows (renormalised),
-    on the positions t whose x_{t+2} the target generated. Weight 0.8^i per head."""
+    on the positions t whose x_{t+2} the target generated. Weight 0.8^i per head. Conditioned
+    heads also read the embeddings of x_{t+1} .. x_{t+i+1}, the tokens the data holds (teacher
+    forcing: the target generated them)."""
     readout = FirstRows(target.get_output_embeddings(), readout_size(config, target))
     num_heads = heads.config.num_heads
-    rows, teacher_at, valid, hidden_all, offset = [], [], [], [], 0
+    conditioned = heads.config.conditioned
+    rows, teacher_at, valid, hidden_all, before, offset = [], [], [], [], [], 0
     for tokens, hidden, _, prompt_len in _flat(batch, config.max_seq_len):
         n = len(tokens)
         first = max(prompt_len - 2, 0)  # the first t whose x_{t+2} is generated
@@ -376,6 +381,9 @@ def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequenc
         rows.append(hidden[t])
         at = t[:, None] + 1 + torch.arange(num_heads)  # [rows, K]: the position whose state predicts
         valid.append(at <= n - 1)
+        before.append(
+            tokens[at.clamp(max=n - 1)]
+        )  # [rows, K]: x_{t+1} .. x_{t+K}, head i reads i + 1 of them
         teacher_at.append(offset + at.clamp(max=n - 1) - (first + 1))  # the teacher reads from first + 1 on
         hidden_all.append(hidden[first + 1 :])
         offset += n - first - 1
@@ -383,7 +391,8 @@ def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequenc
         return sum(p.sum() for p in trainable(heads)) * 0  # no answer position in this batch
     with torch.no_grad():
         teacher = torch.softmax(readout(torch.cat(hidden_all)).float(), -1)  # [positions, rows]
-    logits = heads(torch.cat(rows), readout)  # [N, K, read-out rows]
+    embeds = target.get_input_embeddings()(torch.cat(before)).float() if conditioned else None
+    logits = heads(torch.cat(rows), readout, embeds=embeds)  # [N, K, read-out rows]
     at, ok = torch.cat(teacher_at), torch.cat(valid)
     total, weights = logits.new_zeros(()), 0.0
     for i in range(num_heads):

@@ -7,6 +7,10 @@ are the candidates for depth i + 1; a static ``TreeShape`` picks which combinati
 EAGLE-2 dynamic tree (``tree.build_dynamic_tree``) whose depth-(i+1) children are head i's top-k
 under every frontier node, ranked by the product of the heads' probabilities along the path.
 Children are top-k: the deterministic rule verifies them losslessly.
+
+Conditioned heads (``MedusaConfig.conditioned``, Hydra's kind) read the tokens on the path
+before their guess, so they draft a dynamic tree level by level: head i runs once per frontier
+node, on the target's state and the embeddings of the root and the node's path.
 """
 
 from __future__ import annotations
@@ -78,8 +82,14 @@ class MedusaProposer(Proposer):
                 raise ValueError(f"dynamic={dynamic} grows its own tree: pass it or a static tree, not both")
             check_dynamic_budget(top_k, depth, num_nodes, vocab=config.vocab_size,
                                  names=("dynamic top_k", "heads", "num_nodes"))  # fmt: skip
+        if config.conditioned and dynamic is None:
+            raise ValueError(
+                "conditioned Medusa heads draft level by level, each node's children from its own path: "
+                "pass dynamic=(top_k, num_nodes), not a static tree"
+            )
         self.dynamic = self._max_dynamic = dynamic
         self.has_budget = dynamic is not None
+        self.embed = target_model.get_input_embeddings().weight if config.conditioned else None
         lm_head = target_model.get_output_embeddings()
         self.lm_head = None if config.own_lm_head else linear.module_view(lm_head, backend)
         self.readout_ids = None
@@ -105,6 +115,8 @@ class MedusaProposer(Proposer):
             return TokenTree.roots([r.tokens[-1] for r in requests]).to(weight.device)
         shape = self.shape.cut(depth)
         hidden = torch.stack([self._hidden[r.request_id] for r in requests])  # [B, H]
+        if self.embed is not None:
+            return self._conditioned(roots, hidden.to(weight.dtype), depth)
         logits = self._logits(hidden.to(weight.dtype))  # [B, K, V] (or the read-out's rows)
         if self.dynamic is not None and self.native:
             return self._native_tree(roots, logits[:, :depth].contiguous(), depth)
@@ -119,6 +131,8 @@ class MedusaProposer(Proposer):
         """Whether dynamic trees are built in one C call (``native`` as the constructor takes it)."""
         if self.dynamic is None:
             refusal = "a static tree shape takes each head's top-k as it is"
+        elif self.heads.config.conditioned:
+            refusal = "conditioned heads draft level by level from each node's path"
         elif self.heads_backend != "bf16-kernel":
             refusal = (
                 f"the heads run on the linear backend {self.heads_backend!r}, not treespec's CPU kernels"
@@ -154,7 +168,39 @@ class MedusaProposer(Proposer):
         )  # fmt: skip
         return TokenTree.equal_sized(flat, len(roots), depth, top_k)
 
+    def _conditioned(self, roots: torch.Tensor, hidden: torch.Tensor, depth: int) -> TokenTree:
+        """A dynamic tree from conditioned heads: level 0 from the root, then head ``step`` under
+        each frontier node, reading the embeddings of that node's path (kept per frontier slot)."""
+        top_k, num_nodes = self.dynamic
+        batch, width = hidden.shape
+        dtype = hidden.dtype
+
+        def logprobs(step: int, rows: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
+            features = self.heads.head_features(step, rows, paths)
+            return torch.log_softmax(self.heads.readout(step, features, self.lm_head).float(), dim=-1)
+
+        paths = self.embed[roots].to(dtype)[:, None]  # [B, 1, H]: the root's embedding
+        root_logprobs = logprobs(0, hidden, paths)
+        frontier = {"paths": paths[:, None].expand(batch, top_k, 1, width)}  # per slot [B, K, step, H]
+        rows = hidden[:, None].expand(batch, top_k, width).reshape(batch * top_k, width)
+
+        def expand(step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+            parents = frontier["paths"]
+            if step > 1:
+                index = parent_slots[:, :, None, None].expand(-1, -1, *parents.shape[2:])
+                parents = parents.gather(1, index)
+            paths = torch.cat([parents, self.embed[frontier_tokens].to(dtype)[:, :, None]], dim=2)
+            frontier["paths"] = paths
+            out = logprobs(step, rows, paths.flatten(0, 1))
+            return out.unflatten(0, (batch, top_k))
+
+        num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
+        return build_dynamic_tree(roots, root_logprobs, expand, top_k=top_k, depth=depth, num_nodes=num_nodes,
+                                  check=False, token_ids=self.readout_ids)  # fmt: skip
+
     def drafting_paths(self) -> dict[str, str]:
+        if self.heads.config.conditioned:
+            return {"medusa heads": "conditioned heads, level by level (modules)"}
         if self.heads_backend != "bf16-kernel":
             return {"medusa heads": f"modules (linear backend {self.heads_backend!r})"}
         if self.native:

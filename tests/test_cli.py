@@ -23,6 +23,10 @@ BAD = {
         ["--kind", "eagle", "--data", "d", "--out", "o", "--precision", "fp8"],
         "--precision",
     ),
+    ("train-heads", "eval"): (
+        ["--kind", "eagle", "--head", "h", "--data", "d", "--batch-tokens", "many"],
+        "--batch-tokens",
+    ),
     ("serve",): (["--port", "many"], "--port"),
 }
 SUITE_FLAGS = {

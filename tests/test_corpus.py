@@ -336,7 +336,7 @@ def test_features_of_only_the_greedy_or_only_the_sampled_answers(tmp_path):
         )
 
 
-def test_features_cli_writes_the_dev_answers_beside_the_training_ones(tmp_path):
+def test_features_cli_writes_the_dev_answers_beside_the_training_ones(tmp_path, capsys):
     """``treespec train-heads features`` keeps the dev split's answers out of the training data
     and writes them to OUT/dev, which ``train`` then reports a held-out loss on each epoch."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -380,3 +380,14 @@ def test_features_cli_writes_the_dev_answers_beside_the_training_ones(tmp_path):
     assert all(len(r["dev_top1"]) == 1 for r in history)  # EAGLE: the first draft's agreement
     recipe = {k: report["config"][k] for k in ("loss_on", "token_weight", "feature_noise", "warmup_ratio")}
     assert recipe == {"loss_on": "answers", "token_weight": 0.5, "feature_noise": 0.2, "warmup_ratio": 0.05}
+    # the trained head measured again on the dev answers: the top-1 agreement the run recorded
+    # (it does not depend on the loss's settings)
+    capsys.readouterr()
+    assert main(["train-heads", "eval", "--kind", "eagle", "--model", str(tmp_path / "tiny"), "--head",
+                 str(tmp_path / "run" / "head"), "--data", str(tmp_path / "data" / "dev"),
+                 "--batch-tokens", "64"]) == 0  # fmt: skip
+    measured = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert measured["dev_top1"] == history[-1]["dev_top1"] and measured["dev_loss"] > 0
+    assert main(["train-heads", "eval", "--kind", "medusa", "--model", str(tmp_path / "tiny"), "--head",
+                 str(tmp_path / "run" / "head"), "--data", str(tmp_path / "data" / "dev")]) != 0  # fmt: skip
+    assert "holds a 'eagle' head, not the --kind 'medusa'" in capsys.readouterr().err

@@ -385,6 +385,7 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
         _add_answers_stage,
         _add_features_stage,
         _add_train_stage,
+        _add_eval_stage,
     ):
         add_stage(stages)
 
@@ -666,6 +667,56 @@ def _train_heads_features(args: argparse.Namespace) -> int:
         answer_tokens = sum(s["answer_tokens"] for s in manifest["shards"])
         print(f"{folder}: {tokens} positions with hidden states, {answer_tokens} of them answer tokens")
     return EXIT_OK
+
+
+def _add_eval_stage(stages: argparse._SubParsersAction) -> None:
+    check = stages.add_parser(
+        "eval", help="a trained head's held-out loss and top-1 agreement on a data folder"
+    )
+    check.add_argument("--kind", required=True, choices=["eagle", "eagle3", "medusa", "draft"])
+    _model_option(check)
+    check.add_argument("--head", required=True, help="head folder or registered name")
+    check.add_argument("--data", required=True,
+                       help="held-out data folder that 'features' wrote (DATA/dev), never trained on")  # fmt: skip
+    check.add_argument("--batch-tokens", type=int, default=2048, help="positions per batch")
+    check.add_argument("--draft-vocab-size", type=int, default=None,
+                       help="Medusa and draft: the read-out's first N ids, as trained (default: the training default)")  # fmt: skip
+    check.add_argument("--threads", type=int, default=None)
+    check.set_defaults(handler=_train_heads_eval)
+
+
+def _train_heads_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from treespec import heads as heads_module
+    from treespec.heads.training.data import HeadDataset
+    from treespec.heads.training.train import TrainConfig, dev_metrics
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not (Path(args.data) / "manifest.json").is_file():
+        raise ValueError(f"--data {args.data}: no data folder there (no manifest.json); pass a folder that "
+                         "'treespec train-heads features' wrote, such as DATA/dev")  # fmt: skip
+    model, _ = models.load(args.model, dtype=torch.float32)
+    model.requires_grad_(False)
+    head = heads_module.load(args.head, dtype=torch.float32, target_model=model)
+    found = _head_kind(head)
+    if found != args.kind:
+        raise ValueError(f"--head {args.head} holds a {found!r} head, not the --kind {args.kind!r} asked for")
+    extra = {} if args.draft_vocab_size is None else {"draft_vocab_size": args.draft_vocab_size}
+    config = TrainConfig(kind=args.kind, batch_tokens=args.batch_tokens, **extra)
+    metrics = dev_metrics(config, head, model, HeadDataset(args.data, model).sequences())
+    print(json.dumps({"head": str(args.head), "kind": args.kind, "data": str(args.data), **metrics}))
+    return EXIT_OK
+
+
+def _head_kind(head) -> str:
+    """The training kind of a loaded head: eagle, eagle3, medusa or draft."""
+    from treespec.heads import EagleHead, MedusaHeads
+
+    if isinstance(head, EagleHead):
+        return "eagle3" if head.config.eagle3 else "eagle"
+    return "medusa" if isinstance(head, MedusaHeads) else "draft"
 
 
 def _train_heads_train(args: argparse.Namespace) -> int:

@@ -293,8 +293,11 @@ def test_dev_top1_counts_the_answer_positions_per_step(tiny_data):
     assert len(metrics["dev_top1"]) == 2 and all(0.0 <= a <= 1.0 for a in metrics["dev_top1"])
     answers = dev_metrics(dataclasses.replace(config, loss_on="answers"), head, model, held_out)
     assert answers["dev_top1"] == metrics["dev_top1"]
-    assert "dev_top1" not in dev_metrics(TrainConfig(kind="medusa", batch_tokens=40), build_module(
-        TrainConfig(kind="medusa"), model, data), model, held_out)  # fmt: skip
+    medusa = TrainConfig(kind="medusa", medusa_heads=2, batch_tokens=40)
+    per_head = dev_metrics(medusa, build_module(medusa, model, data), model, held_out)["dev_top1"]
+    assert len(per_head) == 2 and all(0.0 <= a <= 1.0 for a in per_head)  # Medusa: one per head
+    draft = TrainConfig(kind="draft", draft_layers=1, batch_tokens=40)
+    assert "dev_top1" not in dev_metrics(draft, build_module(draft, model, data), model, held_out)
 
 
 def test_a_resumed_run_refuses_another_recipe_and_names_what_differs(tiny_data, tmp_path):

@@ -362,7 +362,13 @@ def _count_top1(
     count[step] += int(rows.sum())
 
 
-def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
+def medusa_loss(
+    heads: MedusaHeads,
+    target: PreTrainedModel,
+    batch: list[Sequence],
+    config: TrainConfig,
+    stats: dict | None = None,
+):
     """Self-distillation (Medusa-2): head i at position t learns the target's distribution of
     x_{t+i+2}, the softmax of its LM head at h_{t+i+1}, over the read-out's rows (renormalised),
     on the positions t whose x_{t+2} the target generated. Weight 0.8^i per head. Conditioned
@@ -399,6 +405,9 @@ def medusa_loss(heads: MedusaHeads, target: PreTrainedModel, batch: list[Sequenc
         if ok[:, i].any():
             total = total + 0.8**i * soft_ce(logits[ok[:, i], i], teacher[at[ok[:, i], i]])
             weights += 0.8**i
+            if stats is not None:  # head i's top-1 agreement (every row here predicts an answer token)
+                rows = torch.ones(int(ok[:, i].sum()), dtype=torch.bool)
+                _count_top1(stats, i, logits[ok[:, i], i], teacher[at[ok[:, i], i]], rows)
     return total / weights
 
 
@@ -704,9 +713,10 @@ def dev_loss(
 def dev_metrics(
     config: TrainConfig, module: nn.Module, target: PreTrainedModel, sequences: list[Sequence]
 ) -> dict:
-    """``dev_loss`` (:func:`dev_loss`) and, for EAGLE kinds, ``dev_top1``: per step of the
-    training-time test, the share of held-out answer positions whose top drafted token is the
-    target's top token within the read-out. The loss changes with the loss's settings
+    """``dev_loss`` (:func:`dev_loss`) and, for EAGLE kinds and Medusa, ``dev_top1``: per step of
+    the training-time test (per head for Medusa, the tokens before its guess teacher-forced), the
+    share of held-out answer positions whose top drafted token is the target's top token within
+    the read-out. The loss changes with the loss's settings
     (``token_weight``, ``loss_on``); ``dev_top1`` does not, so it compares recipes."""
     if not sequences:
         raise ValueError("dev_loss needs at least one held-out sequence, got none")
@@ -714,12 +724,12 @@ def dev_metrics(
     was_training = module.training
     module.eval()
     total, positions, stats = 0.0, 0, {}
-    eagle = config.kind in ("eagle", "eagle3")
+    counted = config.kind in ("eagle", "eagle3", "medusa")
     with torch.no_grad(), _autocast(config, target):
         for batch in make_batches(sequences, config, 0):
             chosen = [sequences[i] for i in batch]
             n = sum(len(s.tokens) for s in chosen)
-            extra = {"stats": stats} if eagle else {}
+            extra = {"stats": stats} if counted else {}
             total += LOSSES[config.kind](module, target, chosen, quiet, **extra).item() * n
             positions += n
     module.train(was_training)

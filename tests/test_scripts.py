@@ -298,6 +298,18 @@ def test_serve_check_exports_each_kind_and_reads_it_back(tmp_path, monkeypatch, 
         run_script(
             "serve_check", [*argv[:2], "--heads", f"medusa={tmp_path / 'eagle'}", *argv[6:]], monkeypatch
         )
+    from treespec.heads import MedusaConfig, MedusaHeads
+
+    shape = json.loads((tmp_path / "medusa" / "config.json").read_text())
+    MedusaHeads(MedusaConfig(shape["hidden_size"], shape["vocab_size"], num_heads=2, conditioned=True)).save(
+        tmp_path / "conditioned"
+    )
+    with pytest.raises(SystemExit, match="conditioned Medusa heads have no published layout vLLM can load"):
+        run_script(
+            "serve_check",
+            [*argv[:2], "--heads", f"medusa={tmp_path / 'conditioned'}", *argv[6:]],
+            monkeypatch,
+        )
 
 
 def test_serve_check_without_vllm_says_what_to_install(tmp_path, monkeypatch):

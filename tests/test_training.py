@@ -492,9 +492,12 @@ def test_train_heads_cli_end_to_end(tmp_path):
                  "--dtype", "fp32"]) == 0  # fmt: skip
     assert main(["train-heads", "train", "--kind", "medusa", "--model", str(tmp_path / "tiny"),
                  "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--epochs", "1",
-                 "--eval-prompts", "1", "--eval-new-tokens", "4", "--batch-tokens", "64"]) == 0  # fmt: skip
+                 "--eval-prompts", "1", "--eval-new-tokens", "4", "--batch-tokens", "64",
+                 "--medusa-conditioned"]) == 0  # fmt: skip
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert report["history"][0]["tau"] >= 1.0 and report["data_sequences"] == 2
+    assert report["history"][0]["tau"] >= 1.0 and report["data_sequences"] == 2  # a conditioned tree drafted
+    assert report["config"]["medusa_conditioned"] is True
+    assert heads_module.load(tmp_path / "run" / "head").config.conditioned
     assert "dev_loss" not in report["history"][0]  # no DATA/dev: no held-out loss
     # held-out data named on the command line (here the training data itself): each epoch's loss on it
     assert main(["train-heads", "train", "--kind", "medusa", "--model", str(tmp_path / "tiny"),

@@ -26,8 +26,8 @@ its distribution p_t = softmax(lm_head(h_t)) over x_{t+1}):
   distribution is renormalised over them.
 
 AdamW, linear warm-up (``warmup_steps``, or ``warmup_ratio`` of the run) then cosine decay to
-10 %, gradient clipping, a checkpoint after every epoch (and every ``checkpoint_every`` steps) that ``resume`` continues from exactly (model,
-optimiser, schedule, data order), tau through the real engine at T=0 on the dev prompts after
+10 %, gradient clipping, a checkpoint after every epoch (and every ``checkpoint_every`` steps)
+that ``resume`` continues from exactly (model, optimiser, schedule, data order), tau through the real engine at T=0 on the dev prompts after
 each epoch, and a JSON report. Under ``torchrun`` it trains with DDP (gloo), each rank taking
 every world-th batch; rank 0 writes and evaluates.
 """
@@ -336,8 +336,9 @@ def eagle_loss(
             loss = F.smooth_l1_loss(out[keep], next_hidden[keep]) + config.token_weight * soft_ce(
                 logits, probs[keep]
             )
-        if stats is not None:
-            _count_top1(stats, step, logits, probs[keep], answer[keep])
+        if stats is not None:  # on the answer positions only, whatever the loss reads
+            scored = answer[keep]
+            _count_top1(stats, step, logits[scored], probs[keep][scored])
         total = total + config.ttt_decay**step * loss
         weights += config.ttt_decay**step
         # The next step's input at position t is this step's output at t - 1 (same sequence).
@@ -349,17 +350,14 @@ def eagle_loss(
     return total / weights
 
 
-def _count_top1(
-    stats: dict, step: int, logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor
-) -> None:
-    """Add a step's top-1 agreement on ``rows`` (the answer positions among those scored)."""
+def _count_top1(stats: dict, step: int, logits: torch.Tensor, probs: torch.Tensor) -> None:
+    """Add to ``stats`` how many rows of a step (or head) have the target's top token on top."""
     correct, count = stats.setdefault("correct", []), stats.setdefault("count", [])
     while len(correct) <= step:
         correct.append(0)
         count.append(0)
-    hits = logits[rows].argmax(-1) == probs[rows].argmax(-1)
-    correct[step] += int(hits.sum())
-    count[step] += int(rows.sum())
+    correct[step] += int((logits.argmax(-1) == probs.argmax(-1)).sum())
+    count[step] += len(logits)
 
 
 def medusa_loss(
@@ -387,10 +385,9 @@ def medusa_loss(
         rows.append(hidden[t])
         at = t[:, None] + 1 + torch.arange(num_heads)  # [rows, K]: the position whose state predicts
         valid.append(at <= n - 1)
-        before.append(
-            tokens[at.clamp(max=n - 1)]
-        )  # [rows, K]: x_{t+1} .. x_{t+K}, head i reads i + 1 of them
-        teacher_at.append(offset + at.clamp(max=n - 1) - (first + 1))  # the teacher reads from first + 1 on
+        at = at.clamp(max=n - 1)
+        before.append(tokens[at])  # [rows, K]: x_{t+1} .. x_{t+K}, head i reads i + 1 of them
+        teacher_at.append(offset + at - (first + 1))  # the teacher reads from first + 1 on
         hidden_all.append(hidden[first + 1 :])
         offset += n - first - 1
     if not rows:
@@ -403,11 +400,11 @@ def medusa_loss(
     total, weights = logits.new_zeros(()), 0.0
     for i in range(num_heads):
         if ok[:, i].any():
-            total = total + 0.8**i * soft_ce(logits[ok[:, i], i], teacher[at[ok[:, i], i]])
+            head_logits, head_teacher = logits[ok[:, i], i], teacher[at[ok[:, i], i]]
+            total = total + 0.8**i * soft_ce(head_logits, head_teacher)
             weights += 0.8**i
-            if stats is not None:  # head i's top-1 agreement (every row here predicts an answer token)
-                rows = torch.ones(int(ok[:, i].sum()), dtype=torch.bool)
-                _count_top1(stats, i, logits[ok[:, i], i], teacher[at[ok[:, i], i]], rows)
+            if stats is not None:  # every row here predicts an answer token
+                _count_top1(stats, i, head_logits, head_teacher)
     return total / weights
 
 
@@ -428,10 +425,8 @@ def draft_loss(draft: PreTrainedModel, target: PreTrainedModel, batch: list[Sequ
             return sum(p.sum() for p in trainable(draft)) * 0
     hidden = draft.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     logits = readout(hidden[keep])
-    with torch.no_grad():
-        teacher = torch.softmax(
-            readout(torch.cat([h for _, h, _, _ in rows])).float(), -1
-        )  # every real position
+    with torch.no_grad():  # the teacher at every real position, in the order hidden[mask] holds them
+        teacher = torch.softmax(readout(torch.cat([h for _, h, _, _ in rows])).float(), -1)
     return soft_ce(logits, teacher[keep[mask.bool()]])
 
 

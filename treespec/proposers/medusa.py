@@ -179,20 +179,17 @@ class MedusaProposer(Proposer):
             features = self.heads.head_features(step, rows, paths)
             return torch.log_softmax(self.heads.readout(step, features, self.lm_head).float(), dim=-1)
 
-        paths = self.embed[roots].to(dtype)[:, None]  # [B, 1, H]: the root's embedding
-        root_logprobs = logprobs(0, hidden, paths)
-        frontier = {"paths": paths[:, None].expand(batch, top_k, 1, width)}  # per slot [B, K, step, H]
+        root = self.embed[roots].to(dtype)[:, None]  # [B, 1, H]: the root's embedding
+        root_logprobs = logprobs(0, hidden, root)
+        paths = root[:, None].expand(batch, top_k, 1, width)  # per frontier slot [B, K, step, H]
         rows = hidden[:, None].expand(batch, top_k, width).reshape(batch * top_k, width)
 
         def expand(step: int, frontier_tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
-            parents = frontier["paths"]
-            if step > 1:
-                index = parent_slots[:, :, None, None].expand(-1, -1, *parents.shape[2:])
-                parents = parents.gather(1, index)
-            paths = torch.cat([parents, self.embed[frontier_tokens].to(dtype)[:, :, None]], dim=2)
-            frontier["paths"] = paths
-            out = logprobs(step, rows, paths.flatten(0, 1))
-            return out.unflatten(0, (batch, top_k))
+            nonlocal paths
+            if step > 1:  # each frontier node's parent path, by the slot its parent had
+                paths = paths.gather(1, parent_slots[:, :, None, None].expand(-1, -1, *paths.shape[2:]))
+            paths = torch.cat([paths, self.embed[frontier_tokens].to(dtype)[:, :, None]], dim=2)
+            return logprobs(step, rows, paths.flatten(0, 1)).unflatten(0, (batch, top_k))
 
         num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
         return build_dynamic_tree(roots, root_logprobs, expand, top_k=top_k, depth=depth, num_nodes=num_nodes,

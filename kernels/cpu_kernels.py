@@ -537,6 +537,7 @@ def draft_tree_bf16(
     rows: tuple[torch.Tensor | None, ...],
     shape: tuple[int, int, int],
     catch_up: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None,
+    conditioned_heads: int = 0,
 ) -> tuple[tuple[torch.Tensor, ...], float]:
     """One EAGLE-2 tree per request in one call (``treespec_draft_tree_bf16`` in
     ``draft_tree.c``), drafted by an EAGLE-1 or EAGLE-3 head or a draft model. ``stack``:
@@ -555,12 +556,17 @@ def draft_tree_bf16(
     committed length (K/V written there, for the caller to commit), the roots taken from its last
     rows (the root feature and logits in ``rows`` are then None) and the levels drafted past it.
     Returns ((tokens, parents, depths [B * n] long, the mask [B * n, W] int32; n = num_nodes + 1),
-    the catch-up's seconds). Raw pointers: :func:`treespec.target.fused.draft_tree` lays out and
-    checks every argument."""
+    the catch-up's seconds). ``conditioned_heads``: that many conditioned Medusa heads, the
+    stack's table (:func:`medusa_table`) holding their layers and its layer count their blocks a
+    head, the root feature the target's state behind each root, read through the read-out.
+    Raw pointers: :func:`treespec.target.fused.draft_tree` (EAGLE heads, draft models) and
+    :class:`treespec.proposers.MedusaProposer` lay out and check every argument."""
     embed, fc_weight, fc_bias, table, num_layers, final_norm, dims, eps, sm_scale = stack
     weight, column_ids, readout_norm = readout
     slots, committed, first_row, roots, root_h, root_logits = rows
-    heads = root_logits.shape[1] if root_logits is not None and root_logits.dim() == 3 else 0  # Medusa
+    heads = conditioned_heads or (
+        root_logits.shape[1] if root_logits is not None and root_logits.dim() == 3 else 0
+    )
     catch_tokens, catch_features, catch_counts, catch_row = (None,) * 4 if catch_up is None else catch_up
     seconds = ctypes.c_double(0.0)
     top_k, depth, num_nodes = shape
@@ -587,6 +593,18 @@ def draft_tree_bf16(
     )  # fmt: skip
     _raise_on_failure(code, f"a drafted tree of {num_nodes} nodes for {batch} requests")
     return (tokens, parents, depths, mask), seconds.value
+
+
+def medusa_table(heads) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    """The pointer table :func:`draft_tree_bf16` reads for conditioned Medusa ``heads`` (bf16
+    :class:`treespec.heads.medusa.MedusaHeads`): per head its input layer's weight (as the road
+    reads it) and bias, then each block's. Returns the table and the tensors it points into (keep
+    them while the table is used)."""
+    tensors = []
+    for i, blocks in enumerate(heads.blocks):
+        for layer in [heads.inputs[i], *(block.linear for block in blocks)]:
+            tensors += [road_weight(layer.weight), layer.bias]
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors]), tensors
 
 
 def peak_flops(road: str, iterations: int = 20_000_000) -> float:

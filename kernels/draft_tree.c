@@ -150,6 +150,32 @@ static int read_out(const uint16_t *h, const uint16_t *norm, float eps, int64_t 
     return treespec_linear_bf16(h, 1, readout, 0, logits, 0, rows, V, H);
 }
 
+/* Conditioned Medusa head i (Hydra's kind: MedusaHeads.head_features then the read-out) over
+ * rows x_in [rows, (i + 2) H] = [the target's state; the embeddings of the root and of the i
+ * tokens drafted on each row's path]: its input layer into h, then its blocks, each
+ * h + SiLU(W h + b) with every value rounded to bf16 where the bf16 modules round it (the
+ * layer's output, the activation, the sum), SiLU through exp8. ``table`` holds per head its
+ * input layer (weight, bias), then (weight, bias) per block. h and y are [rows, H]. */
+static int medusa_head(const void *const *table, int64_t blocks, int64_t i, const uint16_t *x_in, int64_t rows,
+                       int64_t H, uint16_t *h, uint16_t *y) {
+    const void *const *w = table + i * (2 + 2 * blocks);
+    int code = treespec_linear_bf16(x_in, 1, w[0], w[1], h, 1, rows, H, (i + 2) * H);
+    for (int64_t l = 0; l < blocks && !code; l++) {
+        if ((code = treespec_linear_bf16(h, 1, w[2 + 2 * l], w[3 + 2 * l], y, 1, rows, H, H))) break;
+        for (int64_t e = 0; e < rows * H; e += 8) {
+            const int64_t n = rows * H - e < 8 ? rows * H - e : 8;
+            float lin[8] = {0}, minus[8] = {0}, ex[8];
+            for (int64_t j = 0; j < n; j++) lin[j] = widen_one(y[e + j]), minus[j] = -lin[j];
+            exp_run(minus, ex, n);
+            for (int64_t j = 0; j < n; j++) {
+                const float act = widen_one(round_bf16(lin[j] / (1.0f + ex[j])));
+                h[e + j] = round_bf16(widen_one(h[e + j]) + act);
+            }
+        }
+    }
+    return code;
+}
+
 /* treespec_draft_tree_bf16: B requests' trees of num_nodes drafted nodes each, drafted by an
  * EAGLE-1 head (fc_w not NULL), an EAGLE-3 head (its layer has W_EMBED_NORM) or a draft model
  * (fc_w NULL).
@@ -171,7 +197,11 @@ static int read_out(const uint16_t *h, const uint16_t *norm, float eps, int64_t 
  * read out here). An EAGLE level feeds each node its parent's output as the feature; a draft
  * model's nodes see their ancestors through its cache alone. With heads > 0 (Medusa), nothing
  * runs: root_logits is [B, heads, V], the root's children come from head 0 and every depth-s
- * node's from head s (depth <= heads); embed, the stack and the cache are unused.
+ * node's from head s (depth <= heads); embed, the stack and the cache are unused. Conditioned
+ * Medusa heads (heads > 0 and layers not NULL): layers is medusa_head's table (num_layers
+ * blocks a head), root_h [B, H] the target's state behind each root, and head s runs on each
+ * depth-s node's row [root_h; the embeddings of its path from the root] before its read-out;
+ * fc, the cache and the rotary rows are unused.
  *
  * With catch_tokens (not NULL; EAGLE heads and draft models), the call first runs each
  * request's catch-up (catch_up above: catch_counts[b] >= 1 rows, an EAGLE head's catch_features
@@ -198,8 +228,10 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     const int64_t P = 1 + k + levels * k * k, kept = num_nodes + 1; /* drafted nodes per request, root included */
     const int64_t RW = run > 0 ? (run + 31) / 32 : 1, W = (kept + 31) / 32;
     const int64_t rows_out = B > T ? B : T;
+    const int conditioned = heads > 0 && layers != 0; /* Medusa heads that read their path */
+    const int64_t in_width = conditioned && heads + 1 > 2 ? heads + 1 : 2; /* x_in's row, in H */
     /* one block for everything: bf16 rows, fp32 logits, the pool, the frontier, the masks */
-    const size_t bytes = sizeof(uint16_t) * (T * 2 * H + 2 * T * H + 2 * T * D) +
+    const size_t bytes = sizeof(uint16_t) * (rows_out * in_width * H + 2 * rows_out * H + 2 * T * D) +
                          sizeof(float) * rows_out * V + sizeof(void *) * num_layers +
                          sizeof(int64_t) * (4 * T + rows_out * k + 3 * B * P + 5 * T + P + B * k) +
                          sizeof(float) * (rows_out * k + B * P + T + P + B * k) + sizeof(int32_t) * (T * RW) +
@@ -209,7 +241,8 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     char *block = malloc(bytes), *next = block;
     if (!block) return TREESPEC_NO_MEMORY;
 #define TAKE(type, count) ((type *)(next = (char *)(((uintptr_t)(next) + 63) & ~(uintptr_t)63) + sizeof(type) * (count)) - (count))
-    uint16_t *x_in = TAKE(uint16_t, T * 2 * H), *h = TAKE(uint16_t, T * H), *h_prev = TAKE(uint16_t, T * H);
+    uint16_t *x_in = TAKE(uint16_t, rows_out * in_width * H), *h = TAKE(uint16_t, rows_out * H),
+             *h_prev = TAKE(uint16_t, rows_out * H);
     uint16_t *cos_l = TAKE(uint16_t, T * D), *sin_l = TAKE(uint16_t, T * D);
     float *logits = TAKE(float, rows_out * V), *child_lp = TAKE(float, rows_out * k);
     uint16_t **no_out = TAKE(uint16_t *, num_layers);
@@ -229,7 +262,7 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     float *normed_f = TAKE(float, rows_out * H);
     uint16_t *normed_b = TAKE(uint16_t, rows_out * H);
 #undef TAKE
-    const int eagle3 = num_layers > 0 && layers[W_EMBED_NORM] != 0;
+    const int eagle3 = !heads && num_layers > 0 && layers[W_EMBED_NORM] != 0;
     memset(no_out, 0, sizeof(void *) * num_layers);
 #define COLUMN(c) (column_ids ? column_ids[c] : (c))
 
@@ -248,7 +281,15 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
     }
 
     /* the root's children: the first frontier */
-    if (root_logits) /* a draft model's [B, V], or Medusa's heads [B, heads, V] (head 0 for the root) */
+    if (conditioned) { /* head 0 on [root_h; E(root)] */
+        for (int64_t b = 0; b < B; b++) {
+            memcpy(x_in + b * 2 * H, root_h + b * H, sizeof(uint16_t) * H);
+            memcpy(x_in + b * 2 * H + H, embed + roots[b] * H, sizeof(uint16_t) * H);
+        }
+        if ((code = medusa_head(layers, num_layers, 0, x_in, B, H, h, h_prev)) ||
+            (code = read_out(h, 0, eps, B, H, readout, V, logits, normed_f, normed_b)))
+            goto done;
+    } else if (root_logits) /* a draft model's [B, V], or Medusa's heads [B, heads, V] (head 0 for the root) */
         for (int64_t b = 0; b < B; b++) memcpy(logits + b * V, root_logits + b * (heads ? heads : 1) * V, sizeof(float) * V);
     else if ((code = read_out(root_h, readout_norm, eps, B, H, readout, V, logits, normed_f, normed_b)))
         goto done;
@@ -282,6 +323,13 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
                 row_of[f] = -1;
                 if (!(f_score[f] > bar)) continue;
                 row_of[f] = t, rows++;
+                if (conditioned) { /* [root_h; E(path from the root)], the path walked up the pool */
+                    uint16_t *x = x_in + t * (s + 2) * H;
+                    memcpy(x, root_h + b * H, sizeof(uint16_t) * H);
+                    for (int64_t id = f_id[f], d = s; d >= 0; id = pool_parent[b * P + id], d--)
+                        memcpy(x + (1 + d) * H, embed + pool_tok[b * P + id] * H, sizeof(uint16_t) * H);
+                    continue;
+                }
                 if (heads) continue; /* Medusa: nothing runs, head s scores every node of the level */
                 const uint16_t *feature = !fc_w ? 0 : s == 1 ? root_h + b * H : h_prev + prev_row_of[b * k + f_slot[f]] * H;
                 if (eagle3) { /* EAGLE-3: the parent's output the residual, the embedding beside it */
@@ -306,7 +354,12 @@ int treespec_draft_tree_bf16(const uint16_t *embed, const uint16_t *fc_w, const 
             }
         }
         if (rows == 0) break; /* no request's tree can change any more */
-        if (heads) { /* Medusa: head s's top-k once per request, the children of each of its nodes */
+        if (conditioned) { /* head s on each run node's path, read out */
+            if ((code = medusa_head(layers, num_layers, s, x_in, rows, H, h, h_prev)) ||
+                (code = read_out(h, 0, eps, rows, H, readout, V, logits, normed_f, normed_b)))
+                goto done;
+            rows_top_k(logits, rows, V, k, child, child_lp);
+        } else if (heads) { /* Medusa: head s's top-k once per request, the children of each of its nodes */
             for (int64_t b = 0; b < B; b++) memcpy(logits + b * V, root_logits + (b * heads + s) * V, sizeof(float) * V);
             rows_top_k(logits, B, V, k, head_child, head_lp);
             for (int64_t f = 0; f < T; f++)

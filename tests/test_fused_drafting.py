@@ -402,6 +402,51 @@ def test_medusas_native_tree_is_the_tree_the_builder_makes(own_lm_head, road):  
 
 
 @needs_kernels
+def test_conditioned_medusas_native_tree_is_the_tree_its_levels_build(road):  # noqa: F811
+    """Conditioned bf16 Medusa heads on the CPU kernels: each level's heads on the nodes' paths,
+    read-outs, top-k and rerank in one C call, against the level-by-level PyTorch tree from the
+    same heads: the same tokens, parents, depths and masks for several sizes, two requests, the
+    whole and a reduced read-out; the engine's output kept; heads with their own LM heads fall
+    back to the levels and say why."""
+    from test_heads import conditioned_heads
+
+    from treespec.proposers import MedusaProposer
+    from treespec.proposers.base import RequestResult, StepResult
+
+    model = build("llama", seed=5).to(torch.bfloat16)
+    heads = conditioned_heads(model, seed=3).to(torch.bfloat16)
+    torch.manual_seed(1)
+    hidden = torch.randn(2, model.config.hidden_size).to(torch.bfloat16)
+    for readout in (None, range(64)):
+        for dynamic in [(3, 9), (2, 5), (4, 20), (8, 31), (3, 2)]:
+            trees = []
+            for native in (True, False):
+                p = MedusaProposer(heads, model, dynamic=dynamic, readout_ids=readout, native=native)
+                assert p.drafting_paths()["medusa heads"] == (
+                    "conditioned heads, native tree" if native
+                    else "conditioned heads, level by level (modules) (native=False)"
+                )  # fmt: skip
+                p.observe(
+                    StepResult([RequestResult(i, [1], [-1], [0], [5 + i], hidden[i : i + 1]) for i in (0, 1)])
+                )
+                trees.append(p.propose(requests_of([[1, 5], [1, 6]])))
+            for name in ("tokens", "parents", "depth", "cu_nodes", "tree_mask"):
+                assert torch.equal(getattr(trees[0], name), getattr(trees[1], name)), (dynamic, readout, name)
+            trees[0].validate()
+    want = treespec.generate(model, PROMPTS, max_new_tokens=12).sequences
+    native = MedusaProposer(heads, model, dynamic=(3, 9))
+    out = treespec.generate(model, PROMPTS, max_new_tokens=12, proposer=native)
+    assert out.sequences == want and out.stats.drafted_nodes > 0
+    own = MedusaProposer(conditioned_heads(model, own_lm_head=True).to(torch.bfloat16), model, dynamic=(3, 9))
+    assert own.drafting_paths()["medusa heads"] == (
+        "conditioned heads, level by level (modules) "
+        "(conditioned heads with their own LM heads read out through a matrix per head)"
+    )
+    with pytest.raises(ValueError, match="native=True: conditioned heads with their own LM heads"):
+        MedusaProposer(own.heads, model, dynamic=(3, 9), native=True)
+
+
+@needs_kernels
 def test_treespec_native_tree_0_drafts_every_tree_level_by_level_with_the_same_output(monkeypatch):
     """The switch turns the one-call trees off for EAGLE, the draft model and Medusa, each names
     why in its drafting path, and the output is plain decoding's."""

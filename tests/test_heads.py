@@ -363,6 +363,26 @@ def test_a_conditioned_tree_drafts_each_nodes_children_from_its_own_path():
     assert not torch.equal(a, b)
 
 
+def test_a_conditioned_budget_narrows_and_shallows_its_levels_and_a_plain_one_does_not():
+    """Conditioned heads run each level's frontier, so a budget sets their width (round(sqrt(2n)))
+    and depth as an EAGLE head's; plain heads score every depth in one read-out and keep the
+    constructed width and every head. The trees drafted fit the budget."""
+    model = build("llama")
+    conditioned = MedusaProposer(conditioned_heads(model), model, dynamic=(8, 31))
+    plain = MedusaProposer(random_heads(model, own_lm_head=False), model, dynamic=(8, 31))
+    hidden = torch.randn(model.config.hidden_size)
+    for proposer in (conditioned, plain):
+        proposer.observe(StepResult([RequestResult(0, [1], [-1], [0], [5], hidden[None])]))
+    for nodes, depth, want in [(8, 8, (4, 8, 3)), (4, 2, (3, 4, 2)), (2, 1, (2, 2, 1)), (31, 6, (8, 31, 3))]:
+        conditioned.set_budget(nodes, depth)
+        plain.set_budget(nodes, depth)
+        assert (*conditioned.dynamic, conditioned.depth) == want
+        assert (*plain.dynamic, plain.depth) == (8, nodes, 3)
+        for proposer in (conditioned, plain):
+            tree = proposer.propose([ProposalRequest(0, [1, 5], 1, SamplingParams(), 10)])
+            assert tree.num_nodes == nodes + 1 and int(tree.depth.max()) <= proposer.depth
+
+
 def test_conditioned_heads_refuse_static_trees_and_the_published_layout(tmp_path):
     model = build("llama")
     heads = conditioned_heads(model)

@@ -10,7 +10,8 @@ Children are top-k: the deterministic rule verifies them losslessly.
 
 Conditioned heads (``MedusaConfig.conditioned``, Hydra's kind) read the tokens on the path
 before their guess, so they draft a dynamic tree level by level: head i runs once per frontier
-node, on the target's state and the embeddings of the root and the node's path.
+node, on the target's state and the embeddings of the root and the node's path. On treespec's
+CPU kernels the levels, read-outs, top-k and rerank run in one C call, as an EAGLE head's do.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from treespec.target.fused import choose_native, describe_path, native_refusal
 from treespec.tree import (
     TokenTree,
     TreeShape,
+    budget_top_k,
     build_dynamic_tree,
     build_static_tree,
     chain,
     check_dynamic_budget,
     dynamic_capacity,
+    fit_dynamic_budget,
 )
 
 
@@ -100,21 +103,25 @@ class MedusaProposer(Proposer):
             self.readout_ids, rows = reduced_rows(lm_head, readout_ids, target_vocab, top_k)
             self.lm_head = linear.module_view(rows, backend).eval()
         self.max_tree_nodes = self.shape.num_nodes if dynamic is None else dynamic[1] + 1
+        self.depth = self.shape.max_depth  # the deepest level drafted (set_budget: conditioned heads)
         self.vocab_size = target_vocab
         self._hidden: dict[int, torch.Tensor] = {}  # request id -> [H] hidden state behind its root
         self.native = self._native(native)
         if self.native and self.readout_ids is not None:
             self.readout_ids = self.readout_ids.long().contiguous()  # what the C tree reads
+        self._table = cpu_kernels.medusa_table(self.heads) if self.native and config.conditioned else None
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposalRequest]) -> TokenTree:
-        depth = min(self.shape.max_depth, min(r.max_new for r in requests) - 1)
+        depth = min(self.depth, min(r.max_new for r in requests) - 1)
         weight = next(self.heads.parameters())
         roots = torch.tensor([r.tokens[-1] for r in requests], device=weight.device)
         if depth < 1:
             return TokenTree.roots([r.tokens[-1] for r in requests]).to(weight.device)
         shape = self.shape.cut(depth)
         hidden = torch.stack([self._hidden[r.request_id] for r in requests])  # [B, H]
+        if self.embed is not None and self.native:
+            return self._native_conditioned(roots, hidden.to(weight.dtype).contiguous(), depth)
         if self.embed is not None:
             return self._conditioned(roots, hidden.to(weight.dtype), depth)
         logits = self._logits(hidden.to(weight.dtype))  # [B, K, V] (or the read-out's rows)
@@ -131,8 +138,8 @@ class MedusaProposer(Proposer):
         """Whether dynamic trees are built in one C call (``native`` as the constructor takes it)."""
         if self.dynamic is None:
             refusal = "a static tree shape takes each head's top-k as it is"
-        elif self.heads.config.conditioned:
-            refusal = "conditioned heads draft level by level from each node's path"
+        elif self.heads.config.conditioned and self.heads.config.own_lm_head:
+            refusal = "conditioned heads with their own LM heads read out through a matrix per head"
         elif self.heads_backend != "bf16-kernel":
             refusal = (
                 f"the heads run on the linear backend {self.heads_backend!r}, not treespec's CPU kernels"
@@ -168,6 +175,22 @@ class MedusaProposer(Proposer):
         )  # fmt: skip
         return TokenTree.equal_sized(flat, len(roots), depth, top_k)
 
+    def _native_conditioned(self, roots: torch.Tensor, hidden: torch.Tensor, depth: int) -> TokenTree:
+        """The tree :meth:`_conditioned` builds, in one C call: each level's heads on the paths,
+        the read-out, top-k, scores and rerank inside."""
+        top_k, num_nodes = self.dynamic
+        num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
+        zeros = torch.zeros(len(roots), dtype=torch.long)
+        config = self.heads.config
+        stack = (self.embed, None, None, self._table[0], config.num_layers, None,
+                 (config.hidden_size, 0, 0, 0, 0), 0.0, 0.0)  # fmt: skip
+        flat, _ = cpu_kernels.draft_tree_bf16(
+            stack, (self.lm_head.weight, self.readout_ids, None), None, None, None, None,
+            (zeros, zeros, zeros, roots.long(), hidden, None), (top_k, depth, num_nodes),
+            conditioned_heads=config.num_heads,
+        )  # fmt: skip
+        return TokenTree.equal_sized(flat, len(roots), depth, top_k)
+
     def _conditioned(self, roots: torch.Tensor, hidden: torch.Tensor, depth: int) -> TokenTree:
         """A dynamic tree from conditioned heads: level 0 from the root, then head ``step`` under
         each frontier node, reading the embeddings of that node's path (kept per frontier slot)."""
@@ -177,7 +200,11 @@ class MedusaProposer(Proposer):
 
         def logprobs(step: int, rows: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
             features = self.heads.head_features(step, rows, paths)
-            return torch.log_softmax(self.heads.readout(step, features, self.lm_head).float(), dim=-1)
+            if self.heads_backend == "bf16-kernel" and self.lm_head is not None:  # fp32 sums, as the C tree's
+                logits = cpu_kernels.linear_unchecked(features, self.lm_head.weight, None, fp32_out=True)
+            else:
+                logits = self.heads.readout(step, features, self.lm_head).float()
+            return torch.log_softmax(logits, dim=-1)
 
         root = self.embed[roots].to(dtype)[:, None]  # [B, 1, H]: the root's embedding
         root_logprobs = logprobs(0, hidden, root)
@@ -197,7 +224,13 @@ class MedusaProposer(Proposer):
 
     def drafting_paths(self) -> dict[str, str]:
         if self.heads.config.conditioned:
-            return {"medusa heads": "conditioned heads, level by level (modules)"}
+            if self.native:
+                return {"medusa heads": "conditioned heads, native tree"}
+            return {
+                "medusa heads": describe_path(
+                    "conditioned heads, level by level (modules)", self._native_reason
+                )
+            }
         if self.heads_backend != "bf16-kernel":
             return {"medusa heads": f"modules (linear backend {self.heads_backend!r})"}
         if self.native:
@@ -206,10 +239,18 @@ class MedusaProposer(Proposer):
 
     def set_budget(self, num_nodes: int, depth: int) -> None:
         """Dynamic trees only: at most ``num_nodes`` drafted nodes from the next step on (at most
-        the number given at construction); the depth is the number of heads."""
+        the number given at construction). Plain heads score every depth in one read-out, so their
+        trees keep the constructed width and every head's depth. Conditioned heads run each
+        level's frontier: ``depth`` deep at most and :func:`treespec.tree.budget_top_k` wide, as
+        an EAGLE head's levels (see :func:`treespec.tree.fit_dynamic_budget`)."""
         if self._max_dynamic is None:
             raise TypeError("set_budget needs a dynamic tree (MedusaProposer(dynamic=...))")
         top_k, max_nodes = self._max_dynamic
+        if self.heads.config.conditioned:
+            top_k = budget_top_k(top_k, num_nodes)
+            self.depth, num_nodes = fit_dynamic_budget(
+                top_k, self.heads.config.num_heads, max_nodes, num_nodes, depth
+            )
         self.dynamic = (top_k, max(1, min(num_nodes, max_nodes)))
 
     def _dynamic(self, roots: torch.Tensor, logits: torch.Tensor, depth: int) -> TokenTree:

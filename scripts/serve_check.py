@@ -1,7 +1,8 @@
 """The heads as vLLM serves them, against treespec, on the same prompts (docs/heads.md).
 
 For each head asked for (``--heads KIND=NAME_OR_FOLDER``; KIND is ``eagle``, ``eagle3`` or
-``medusa``; default: the shipped EAGLE and Medusa heads of the model):
+``medusa``; default: the shipped EAGLE and Medusa heads of the model, less those vLLM cannot
+load, each named with the reason under ``skipped`` in the JSON: conditioned Medusa heads):
 
 1. export it in the published layout (``export_published_eagle`` / ``export_published_medusa``)
    into ``--out``/KIND, the folder vLLM reads;
@@ -50,6 +51,13 @@ def parse_heads(specs: list[str]) -> dict[str, str]:
     return heads
 
 
+def unservable(head) -> str | None:
+    """Why vLLM cannot load ``head`` (a loaded treespec head), or None."""
+    if getattr(getattr(head, "config", None), "conditioned", False):
+        return "conditioned Medusa heads have no published layout vLLM can load (its medusa drafter reads plain heads only)"
+    return None
+
+
 def export(kind: str, where: str, model, folder: Path) -> Path:
     """The head ``where`` (name or folder) written in the published layout vLLM reads."""
     from treespec import heads as heads_module
@@ -61,9 +69,8 @@ def export(kind: str, where: str, model, folder: Path) -> Path:
         found = {False: "an EAGLE-1 head", True: "an EAGLE-3 head", None: "Medusa heads"}[is_eagle3]
         raise SystemExit(f"--heads {kind}={where}: that is {found}, not a {kind} head")
     if kind == "medusa":
-        if head.config.conditioned:
-            raise SystemExit(f"--heads medusa={where}: conditioned Medusa heads have no published layout "
-                             "vLLM can load (its medusa drafter reads plain heads only); nothing to compare")  # fmt: skip
+        if (reason := unservable(head)) is not None:
+            raise SystemExit(f"--heads medusa={where}: {reason}; nothing to compare")
         return heads_module.export_published_medusa(head, folder, target=model)
     return heads_module.export_published_eagle(head, folder, target=model)
 
@@ -194,6 +201,13 @@ def main(argv: list[str] | None = None) -> dict:
     heads = parse_heads(args.heads) if args.heads is not None else {
         kind: name for kind, name in heads_module.shipped_for(args.model).items() if kind in METHODS
     }  # fmt: skip
+    skipped = {}  # the shipped heads vLLM cannot load: named, not compared (asked for by --heads: refused)
+    if args.heads is None:
+        for kind, name in list(heads.items()):
+            if (reason := unservable(heads_module.load(name))) is not None:
+                skipped[kind] = {"head": name, "reason": reason}
+                print(f"{kind:7s} skipped: {reason}")
+                del heads[kind]
     if not heads:
         raise SystemExit(f"no heads to check: {args.model} ships none; pass --heads KIND=FOLDER")
     use_vllm = not args.no_vllm
@@ -207,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     step = max(1, len(texts) // args.n)
     prompts = encode_prompts(tokenizer, texts[::step][: args.n])
     eos = tokenizer.eos_token_id
-    report = {"model": args.model, "chain": args.chain, "new": args.new, "prompts": len(prompts), "heads": {}}
+    report = {"model": args.model, "chain": args.chain, "new": args.new, "prompts": len(prompts), "heads": {},
+              "skipped": skipped}  # fmt: skip
     for kind, where in heads.items():
         folder = export(kind, where, model, Path(args.out) / kind)
         ours = treespec_chain(kind, folder, model, prompts, args.chain, args.new, eos)

@@ -310,6 +310,19 @@ def test_serve_check_exports_each_kind_and_reads_it_back(tmp_path, monkeypatch, 
             [*argv[:2], "--heads", f"medusa={tmp_path / 'conditioned'}", *argv[6:]],
             monkeypatch,
         )
+    # shipped heads (no --heads): a conditioned Medusa head is skipped and named, the others checked
+    monkeypatch.setattr(
+        treespec.heads,
+        "shipped_for",
+        lambda _: {"eagle": str(tmp_path / "eagle"), "medusa": str(tmp_path / "conditioned")},
+    )
+    run_script("serve_check", [*argv[:2], *argv[6:]], monkeypatch)
+    report = json.loads(out.read_text())
+    assert set(report["heads"]) == {"eagle"}
+    assert report["skipped"]["medusa"]["reason"].startswith(
+        "conditioned Medusa heads have no published layout"
+    )
+    assert "medusa  skipped: conditioned" in capsys.readouterr().out
 
 
 def test_serve_check_without_vllm_says_what_to_install(tmp_path, monkeypatch):

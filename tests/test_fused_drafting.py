@@ -446,6 +446,25 @@ def test_conditioned_medusas_native_tree_is_the_tree_its_levels_build(road):  # 
         MedusaProposer(own.heads, model, dynamic=(3, 9), native=True)
 
 
+def test_bf16_medusa_heads_on_an_fp32_target_run_in_its_dtype():
+    """Heads that read the target's LM head (plain or conditioned) follow its dtype, as EAGLE
+    heads do: bf16 heads on an fp32 target draft in fp32 (a converted copy; the heads passed in
+    are untouched) and keep its output, where their bf16 kernels once read its fp32 weights."""
+    from test_heads import conditioned_heads, random_heads
+
+    from treespec.proposers import MedusaProposer
+
+    model = build("llama", seed=5)
+    want = treespec.generate(model, PROMPTS[:2], max_new_tokens=10).sequences
+    for heads in (random_heads(model, own_lm_head=False), conditioned_heads(model)):
+        heads = heads.to(torch.bfloat16)
+        proposer = MedusaProposer(heads, model, dynamic=(3, 9))
+        assert next(proposer.heads.parameters()).dtype is torch.float32
+        assert next(heads.parameters()).dtype is torch.bfloat16
+        out = treespec.generate(model, PROMPTS[:2], max_new_tokens=10, proposer=proposer)
+        assert out.sequences == want and out.stats.drafted_nodes > 0
+
+
 @needs_kernels
 def test_treespec_native_tree_0_drafts_every_tree_level_by_level_with_the_same_output(monkeypatch):
     """The switch turns the one-call trees off for EAGLE, the draft model and Medusa, each names

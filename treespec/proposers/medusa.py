@@ -16,6 +16,7 @@ CPU kernels the levels, read-outs, top-k and rerank run in one C call, as an EAG
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -61,6 +62,9 @@ class MedusaProposer(Proposer):
         LM head use only these rows of it (a reduced draft vocabulary, as for EAGLE heads): a
         token outside is never drafted, the output is the target's either way.
 
+        Heads that read the target's LM head or embeddings run in the target's dtype and on its
+        device (a converted copy where they differ; the heads passed in are left as they were).
+
         ``native``: on treespec's CPU kernels (linear backend "bf16-kernel"), a dynamic tree is
         built in one C call from the heads' fp32 logits (:func:`treespec.kernels.cpu_kernels.draft_tree_bf16`):
         the tree the PyTorch builder makes from the same logits. None (the default): wherever it
@@ -70,6 +74,12 @@ class MedusaProposer(Proposer):
         target.check("the Medusa heads", hidden_size=config.hidden_size, vocab_size=config.vocab_size)
         target_vocab = target.vocab_size
         first = next(heads.parameters())
+        if (not config.own_lm_head or config.conditioned) and (first.dtype, first.device) != (
+            target_model.dtype,
+            target_model.device,
+        ):  # they read the target's LM head or embeddings: in its precision, as EAGLE heads do
+            heads = copy.deepcopy(heads).to(device=target_model.device, dtype=target_model.dtype)
+            first = next(heads.parameters())
         backend = linear.resolve_linear_backend(linear_backend, first.device, first.dtype)
         self.heads = linear.module_view(heads, backend).eval()
         self.heads_backend = backend

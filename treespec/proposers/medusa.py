@@ -131,12 +131,12 @@ class MedusaProposer(Proposer):
         shape = self.shape.cut(depth)
         hidden = torch.stack([self._hidden[r.request_id] for r in requests])  # [B, H]
         if self.embed is not None and self.native:
-            return self._native_conditioned(roots, hidden.to(weight.dtype).contiguous(), depth)
+            return self._native_tree(roots, depth, hidden=hidden.to(weight.dtype).contiguous())
         if self.embed is not None:
             return self._conditioned(roots, hidden.to(weight.dtype), depth)
         logits = self._logits(hidden.to(weight.dtype))  # [B, K, V] (or the read-out's rows)
         if self.dynamic is not None and self.native:
-            return self._native_tree(roots, logits[:, :depth].contiguous(), depth)
+            return self._native_tree(roots, depth, logits=logits[:, :depth].contiguous())
         if self.dynamic is not None:
             return self._dynamic(roots, logits[:, :depth], depth)
         candidates = logits.topk(shape.max_rank + 1, dim=-1).indices  # [B, K, k] distinct per row
@@ -173,31 +173,35 @@ class MedusaProposer(Proposer):
         return torch.stack([cpu_kernels.linear_unchecked(f, head.weight, None, fp32_out=True)
                             for f, head in zip(features, self.heads.lm_heads, strict=True)], 1)  # fmt: skip
 
-    def _native_tree(self, roots: torch.Tensor, logits: torch.Tensor, depth: int) -> TokenTree:
-        """The tree :meth:`_dynamic` builds, in one C call over the heads' logits [B, depth, V']."""
-        top_k, num_nodes = self.dynamic
-        num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
-        zeros = torch.zeros(len(roots), dtype=torch.long)
-        stack = (None, None, None, None, 0, None, (0, 0, 0, 0, 0), 0.0, 0.0)  # nothing runs
-        flat, _ = cpu_kernels.draft_tree_bf16(
-            stack, (None, self.readout_ids, None), None, None, None, None,
-            (zeros, zeros, zeros, roots.long(), None, logits.float()), (top_k, depth, num_nodes),
-        )  # fmt: skip
-        return TokenTree.equal_sized(flat, len(roots), depth, top_k)
-
-    def _native_conditioned(self, roots: torch.Tensor, hidden: torch.Tensor, depth: int) -> TokenTree:
-        """The tree :meth:`_conditioned` builds, in one C call: each level's heads on the paths,
-        the read-out, top-k, scores and rerank inside."""
+    def _native_tree(
+        self,
+        roots: torch.Tensor,
+        depth: int,
+        logits: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> TokenTree:
+        """In one C call, the tree :meth:`_dynamic` builds from plain heads' ``logits`` [B, depth, V']
+        (nothing runs per level), or the tree :meth:`_conditioned` builds from conditioned heads
+        run on the target's states ``hidden`` [B, H] and each node's path (the heads, read-outs,
+        top-k, scores and rerank inside)."""
         top_k, num_nodes = self.dynamic
         num_nodes = min(num_nodes, dynamic_capacity(top_k, depth))
         zeros = torch.zeros(len(roots), dtype=torch.long)
         config = self.heads.config
-        stack = (self.embed, None, None, self._table[0], config.num_layers, None,
-                 (config.hidden_size, 0, 0, 0, 0), 0.0, 0.0)  # fmt: skip
+        if hidden is None:
+            stack = (None, None, None, None, 0, None, (0, 0, 0, 0, 0), 0.0, 0.0)
+            readout, rows, heads = (None, self.readout_ids, None), (hidden, logits.float()), 0
+        else:
+            stack = (self.embed, None, None, self._table[0], config.num_layers, None,
+                     (config.hidden_size, 0, 0, 0, 0), 0.0, 0.0)  # fmt: skip
+            readout, rows, heads = (
+                (self.lm_head.weight, self.readout_ids, None),
+                (hidden, None),
+                config.num_heads,
+            )
         flat, _ = cpu_kernels.draft_tree_bf16(
-            stack, (self.lm_head.weight, self.readout_ids, None), None, None, None, None,
-            (zeros, zeros, zeros, roots.long(), hidden, None), (top_k, depth, num_nodes),
-            conditioned_heads=config.num_heads,
+            stack, readout, None, None, None, None, (zeros, zeros, zeros, roots.long(), *rows),
+            (top_k, depth, num_nodes), conditioned_heads=heads,
         )  # fmt: skip
         return TokenTree.equal_sized(flat, len(roots), depth, top_k)
 

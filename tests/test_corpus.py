@@ -388,6 +388,16 @@ def test_features_cli_writes_the_dev_answers_beside_the_training_ones(tmp_path, 
                  "--batch-tokens", "64"]) == 0  # fmt: skip
     measured = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert measured["dev_top1"] == history[-1]["dev_top1"] and measured["dev_loss"] > 0
+    # deeper levels: the head on its own outputs, one agreement per step; the first step unchanged
+    assert main(["train-heads", "eval", "--kind", "eagle", "--model", str(tmp_path / "tiny"), "--head",
+                 str(tmp_path / "run" / "head"), "--data", str(tmp_path / "data" / "dev"),
+                 "--batch-tokens", "64", "--ttt-steps", "3"]) == 0  # fmt: skip
+    deeper = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dev_top1"]
+    assert len(deeper) == 3 and deeper[0] == measured["dev_top1"][0] and all(0 <= t <= 1 for t in deeper)
+    assert main(["train-heads", "eval", "--kind", "eagle", "--model", str(tmp_path / "tiny"), "--head",
+                 str(tmp_path / "run" / "head"), "--data", str(tmp_path / "data" / "dev"),
+                 "--ttt-steps", "0"]) != 0  # fmt: skip
+    assert "ttt_steps must be an int >= 1, got 0" in capsys.readouterr().err
     assert main(["train-heads", "eval", "--kind", "medusa", "--model", str(tmp_path / "tiny"), "--head",
                  str(tmp_path / "run" / "head"), "--data", str(tmp_path / "data" / "dev")]) != 0  # fmt: skip
     assert "holds a 'eagle' head, not the --kind 'medusa'" in capsys.readouterr().err

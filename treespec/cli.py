@@ -681,6 +681,9 @@ def _add_eval_stage(stages: argparse._SubParsersAction) -> None:
     check.add_argument("--batch-tokens", type=int, default=2048, help="positions per batch")
     check.add_argument("--draft-vocab-size", type=int, default=None,
                        help="Medusa and draft: the read-out's first N ids, as trained (default: the training default)")  # fmt: skip
+    check.add_argument("--ttt-steps", type=int, default=1,
+                       help="EAGLE kinds: also run the head on its own outputs, this many steps in all, and "
+                            "report the top-1 agreement per step (the deeper levels' proxy; default: 1)")  # fmt: skip
     check.add_argument("--threads", type=int, default=None)
     check.set_defaults(handler=_train_heads_eval)
 
@@ -703,8 +706,11 @@ def _train_heads_eval(args: argparse.Namespace) -> int:
     found = _head_kind(head)
     if found != args.kind:
         raise ValueError(f"--head {args.head} holds a {found!r} head, not the --kind {args.kind!r} asked for")
+    if args.ttt_steps != 1 and args.kind not in ("eagle", "eagle3"):
+        raise ValueError(f"--ttt-steps runs an EAGLE head on its own outputs; a {args.kind!r} head has none, "
+                         f"got --ttt-steps {args.ttt_steps}")  # fmt: skip
     extra = {} if args.draft_vocab_size is None else {"draft_vocab_size": args.draft_vocab_size}
-    config = TrainConfig(kind=args.kind, batch_tokens=args.batch_tokens, **extra)
+    config = TrainConfig(kind=args.kind, batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, **extra)
     metrics = dev_metrics(config, head, model, HeadDataset(args.data, model).sequences())
     print(json.dumps({"head": str(args.head), "kind": args.kind, "data": str(args.data), **metrics}))
     return EXIT_OK

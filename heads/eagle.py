@@ -24,7 +24,7 @@ over a KV cache with tree masks (the proposer) or over whole sequences (training
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -281,6 +281,37 @@ class EagleHead(nn.Module):
         if self.config.draft_vocab_size is None:
             return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
         return torch.arange(self.config.readout_size, device=self.d2t.device) + self.d2t
+
+    def with_readout(self, target_ids: torch.Tensor) -> EagleHead:
+        """A copy of this head that reads out only ``target_ids``, a subset of its own read-out's
+        target ids (sorted here): each drafting level ranks fewer rows, for a tau measured
+        against the full read-out's. An EAGLE-3 head keeps its own LM head's matching rows."""
+        if (
+            not isinstance(target_ids, torch.Tensor)
+            or target_ids.dim() != 1
+            or target_ids.dtype.is_floating_point
+        ):
+            raise TypeError(f"target_ids must be a 1-D integer tensor, got {target_ids!r:.80}")
+        ids = target_ids.long().cpu().sort().values
+        own = self.target_ids().cpu()
+        row = torch.full((self.config.vocab_size,), -1, dtype=torch.long)
+        row[own] = torch.arange(len(own))  # target id -> its row in this head's read-out
+        inside = (ids >= 0) & (ids < self.config.vocab_size)
+        where = torch.where(inside, row[ids.clamp(0, self.config.vocab_size - 1)], -1)
+        found = where >= 0
+        if not 1 <= len(ids) < len(own) or not bool(found.all()) or bool((ids[1:] == ids[:-1]).any()):
+            raise ValueError(
+                f"target_ids must be 1 to {len(own) - 1} distinct ids of this head's {len(own)}-row read-out; got "
+                f"{len(ids)} ids, {int((~found).sum())} of them outside it"
+            )
+        head = EagleHead(replace(self.config, draft_vocab_size=len(ids)))
+        state = {k: v for k, v in self.state_dict().items() if k != "d2t"}
+        if self.config.eagle3:
+            state["lm_head.weight"] = state["lm_head.weight"][where]
+        state["d2t"] = ids - torch.arange(len(ids))
+        head.load_weights(state, source="with_readout")
+        weight = self.fc.weight
+        return head.to(device=weight.device, dtype=weight.dtype).train(self.training)
 
     def save(self, folder: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors`` into ``folder``."""

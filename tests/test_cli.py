@@ -27,6 +27,7 @@ BAD = {
         ["--kind", "eagle", "--head", "h", "--data", "d", "--batch-tokens", "many"],
         "--batch-tokens",
     ),
+    ("train-heads", "readout"): (["--head", "h", "--data", "d", "--rows", "many", "--out", "o"], "--rows"),
     ("serve",): (["--port", "many"], "--port"),
 }
 SUITE_FLAGS = {

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import build, hf_greedy
 
+from treespec import heads as heads_module
 from treespec.heads.training import corpus as corpus_module
 from treespec.heads.training import data as data_module
 from treespec.heads.training.corpus import (
@@ -401,3 +402,26 @@ def test_features_cli_writes_the_dev_answers_beside_the_training_ones(tmp_path, 
     assert main(["train-heads", "eval", "--kind", "medusa", "--model", str(tmp_path / "tiny"), "--head",
                  str(tmp_path / "run" / "head"), "--data", str(tmp_path / "data" / "dev")]) != 0  # fmt: skip
     assert "holds a 'eagle' head, not the --kind 'medusa'" in capsys.readouterr().err
+    # a head that never reads its own outputs has no deeper levels to measure
+    assert main(["train-heads", "eval", "--kind", "medusa", "--model", str(tmp_path / "tiny"), "--head",
+                 str(tmp_path / "run" / "head"), "--data", str(tmp_path / "data" / "dev"),
+                 "--ttt-steps", "3"]) != 0  # fmt: skip
+    assert "a 'medusa' head has none, got --ttt-steps 3" in capsys.readouterr().err
+    # the head cut to the 40 read-out rows the training data holds most often
+    assert main(["train-heads", "readout", "--head", str(tmp_path / "run" / "head"), "--data",
+                 str(tmp_path / "data"), "--rows", "40", "--out", str(tmp_path / "cut")]) == 0  # fmt: skip
+    said = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    full, cut = (heads_module.load(tmp_path / name) for name in ("run/head", "cut"))
+    counts = torch.zeros(len(tokenizer), dtype=torch.long)
+    for seq in HeadDataset(tmp_path / "data", model):
+        counts += torch.bincount(seq.tokens, minlength=len(tokenizer))
+    kept, own = cut.target_ids(), full.target_ids()
+    dropped = own[~torch.isin(own, kept)]
+    assert len(kept) == 40 and bool(torch.isin(kept, own).all())
+    assert counts[kept].min() >= counts[dropped].max()  # the most frequent rows, ties aside
+    assert said["token_share"] == round(float(counts[kept].sum() / counts[own].sum()), 4)
+    assert said["from_rows"] == len(own) and said["rows"] == 40
+    for bad, message in (("41000", "rows must be in"), ("0", "rows must be in")):
+        assert main(["train-heads", "readout", "--head", str(tmp_path / "run" / "head"), "--data",
+                     str(tmp_path / "data"), "--rows", bad, "--out", str(tmp_path / "bad")]) != 0  # fmt: skip
+        assert message in capsys.readouterr().err

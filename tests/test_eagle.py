@@ -507,6 +507,50 @@ def test_a_reduced_readout_drafts_only_its_tokens_and_keeps_the_output():
         )
 
 
+@pytest.mark.parametrize("eagle3", [False, True])
+def test_a_head_cut_to_fewer_readout_rows(tmp_path, eagle3):
+    """``with_readout`` keeps the named rows of a head's read-out (EAGLE-3: its own LM head's
+    rows), nothing else changes, the cut head drafts only those tokens and keeps the target's
+    output, it survives a folder round trip, and a list that is not a proper subset is refused."""
+    from conftest import hf_greedy
+
+    model = build("llama")
+    head = random_head(model, eagle3=eagle3, draft_vocab=64 if eagle3 else None)
+    own = head.target_ids()
+    keep = own[torch.randperm(len(own), generator=torch.Generator().manual_seed(1))[:24]]  # unsorted
+    cut = head.with_readout(keep)
+    assert cut.config.readout_size == 24 and torch.equal(cut.target_ids(), keep.sort().values)
+    rows = (own[:, None] == cut.target_ids()[None]).nonzero()[:, 0]  # their rows in the full read-out
+    with torch.no_grad():
+        h = torch.randn(5, model.config.hidden_size)
+        assert torch.equal(cut.logits(h, model.lm_head), head.logits(h, model.lm_head)[:, rows])
+        embeds, features = torch.randn(4, 64), torch.randn(4, head.config.feature_size)
+        attention = lambda q, k, v: v.repeat_interleave(q.shape[1] // v.shape[1], 1)  # noqa: E731
+        fused, fused_cut = head.fuse(features), cut.fuse(features)
+        assert torch.equal(cut(embeds, fused_cut, torch.arange(4), attention),
+                           head(embeds, fused, torch.arange(4), attention))  # fmt: skip
+    proposer = EagleProposer(cut, model, depth=3, top_k=4, total_tokens=12)
+    drafted = record_drafted(proposer)
+    prompt = [5, 9, 2, 7, 7, 3]
+    out = treespec.generate(model, [prompt], max_new_tokens=16, proposer=proposer)
+    assert out.sequences[0] == hf_greedy(model, prompt, 16)
+    assert drafted and drafted <= set(keep.tolist())
+    cut.save(tmp_path / "cut")
+    loaded = heads_module.load(tmp_path / "cut")
+    assert loaded.config == cut.config and torch.equal(loaded.target_ids(), cut.target_ids())
+    outside = int(torch.isin(torch.arange(128), own, invert=True).nonzero()[0]) if eagle3 else 200
+    for bad, error, message in (
+        (keep[:, None], TypeError, "1-D integer tensor"),
+        (keep.float(), TypeError, "1-D integer tensor"),
+        (torch.tensor([], dtype=torch.long), ValueError, "got 0 ids"),
+        (torch.cat([keep[:3], keep[:1]]), ValueError, "distinct"),
+        (torch.cat([keep[:3], torch.tensor([outside])]), ValueError, "1 of them outside it"),
+        (own, ValueError, f"1 to {len(own) - 1} distinct ids"),
+    ):
+        with pytest.raises(error, match=message):
+            head.with_readout(bad)
+
+
 def test_an_eagle1_head_with_its_own_draft_vocabulary(tmp_path):
     """An EAGLE-1 head trained with a draft vocabulary keeps it through save and load, its
     proposer reads out through those rows by default (the same drafts as passing them), the output

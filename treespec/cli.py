@@ -386,6 +386,7 @@ def _add_train_heads_parser(subparsers: argparse._SubParsersAction) -> None:
         _add_features_stage,
         _add_train_stage,
         _add_eval_stage,
+        _add_readout_stage,
     ):
         add_stage(stages)
 
@@ -700,19 +701,55 @@ def _train_heads_eval(args: argparse.Namespace) -> int:
     if not (Path(args.data) / "manifest.json").is_file():
         raise ValueError(f"--data {args.data}: no data folder there (no manifest.json); pass a folder that "
                          "'treespec train-heads features' wrote, such as DATA/dev")  # fmt: skip
+    if args.ttt_steps != 1 and args.kind not in ("eagle", "eagle3"):
+        raise ValueError(f"--ttt-steps runs an EAGLE head on its own outputs; a {args.kind!r} head has none, "
+                         f"got --ttt-steps {args.ttt_steps}")  # fmt: skip
     model, _ = models.load(args.model, dtype=torch.float32)
     model.requires_grad_(False)
     head = heads_module.load(args.head, dtype=torch.float32, target_model=model)
     found = _head_kind(head)
     if found != args.kind:
         raise ValueError(f"--head {args.head} holds a {found!r} head, not the --kind {args.kind!r} asked for")
-    if args.ttt_steps != 1 and args.kind not in ("eagle", "eagle3"):
-        raise ValueError(f"--ttt-steps runs an EAGLE head on its own outputs; a {args.kind!r} head has none, "
-                         f"got --ttt-steps {args.ttt_steps}")  # fmt: skip
     extra = {} if args.draft_vocab_size is None else {"draft_vocab_size": args.draft_vocab_size}
     config = TrainConfig(kind=args.kind, batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, **extra)
     metrics = dev_metrics(config, head, model, HeadDataset(args.data, model).sequences())
     print(json.dumps({"head": str(args.head), "kind": args.kind, "data": str(args.data), **metrics}))
+    return EXIT_OK
+
+
+def _add_readout_stage(stages: argparse._SubParsersAction) -> None:
+    cut = stages.add_parser(
+        "readout",
+        help="an EAGLE head cut to the N read-out rows its data holds most often (a cheaper drafting level)",
+    )
+    cut.add_argument("--head", required=True, help="EAGLE head folder or registered name")
+    cut.add_argument("--data", required=True,
+                     help="data folder that 'features' (or 'data') wrote for the head's target: its token counts rank the rows")  # fmt: skip
+    cut.add_argument("--rows", type=int, required=True, help="read-out rows to keep")
+    cut.add_argument("--out", required=True, help="folder for the cut head")
+    cut.set_defaults(handler=_train_heads_readout)
+
+
+def _train_heads_readout(args: argparse.Namespace) -> int:
+    import torch
+
+    from treespec import heads as heads_module
+    from treespec.heads.training.data import HeadDataset
+    from treespec.heads.training.train import frequent_readout
+
+    head = heads_module.load(args.head, dtype=torch.bfloat16)
+    if not isinstance(head, heads_module.EagleHead):
+        raise ValueError(f"--head {args.head} holds a {_head_kind(head)!r} head; only EAGLE heads carry a read-out "
+                         "of their own (Medusa heads and draft models take the first N ids: --draft-vocab)")  # fmt: skip
+    data = HeadDataset(args.data)
+    vocab = data.manifest["target"]["vocab_size"]
+    if vocab != head.config.vocab_size:
+        raise ValueError(f"--data {args.data} was written for a target of {vocab} tokens, the head's has "
+                         f"{head.config.vocab_size}")  # fmt: skip
+    ids, share = frequent_readout(head, data, args.rows)
+    head.with_readout(ids).save(args.out)
+    print(json.dumps({"head": str(args.head), "rows": args.rows, "from_rows": head.config.readout_size,
+                      "token_share": round(share, 4), "out": str(args.out)}))  # fmt: skip
     return EXIT_OK
 
 

@@ -167,12 +167,29 @@ def build_module(
     return draft
 
 
-def frequent_tokens(data: Iterable[Sequence], k: int, vocab_size: int) -> torch.Tensor:
-    """The k tokens that occur most in the data, sorted by id: an EAGLE-3 draft vocabulary."""
+def token_counts(data: Iterable[Sequence], vocab_size: int) -> torch.Tensor:
+    """[vocab_size] how often each token occurs in the data (prompts and answers)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for seq in data:
         counts += torch.bincount(seq.tokens, minlength=vocab_size)
-    return counts.topk(k).indices.sort().values  # ties: torch.topk's order
+    return counts
+
+
+def frequent_tokens(data: Iterable[Sequence], k: int, vocab_size: int) -> torch.Tensor:
+    """The k tokens that occur most in the data, sorted by id: an EAGLE-3 draft vocabulary."""
+    return token_counts(data, vocab_size).topk(k).indices.sort().values  # ties: torch.topk's order
+
+
+def frequent_readout(head: EagleHead, data: Iterable[Sequence], rows: int) -> tuple[torch.Tensor, float]:
+    """The ``rows`` target ids of an EAGLE head's read-out that the data holds most often, sorted
+    (for :meth:`EagleHead.with_readout`), and the share of the data's tokens within the head's
+    read-out that they cover."""
+    own = head.target_ids().cpu()
+    if not 1 <= rows < len(own):
+        raise ValueError(f"rows must be in [1, {len(own) - 1}] (the head reads out {len(own)}), got {rows}")
+    counts = token_counts(data, head.config.vocab_size)[own]
+    top = counts.topk(rows).indices
+    return own[top].sort().values, float(counts[top].sum() / counts.sum().clamp(min=1))
 
 
 def token_subset(sequences: list[Sequence], answer_tokens: int) -> list[Sequence]:
@@ -408,7 +425,17 @@ def medusa_loss(
     return total / weights
 
 
-def draft_loss(draft: PreTrainedModel, target: PreTrainedModel, batch: list[Sequence], config: TrainConfig):
+def draft_loss(
+    draft: PreTrainedModel,
+    target: PreTrainedModel,
+    batch: list[Sequence],
+    config: TrainConfig,
+    stats: dict | None = None,
+):
+    """Distillation: the draft's distribution at every position (the answers' only with
+    ``loss_on="answers"``) against the target's, over the read-out's rows (renormalised).
+    ``stats`` counts the top-1 agreement on the answer positions (one entry: a draft has one
+    level, its own outputs being exact tokens)."""
     lm_head = target.get_output_embeddings()
     rows = _flat(batch, config.max_seq_len)
     width = max(len(t) for t, *_ in rows)
@@ -417,17 +444,20 @@ def draft_loss(draft: PreTrainedModel, target: PreTrainedModel, batch: list[Sequ
     for b, (tokens, *_rest) in enumerate(rows):
         ids[b, : len(tokens)], mask[b, : len(tokens)] = tokens, 1
     readout = FirstRows(lm_head, readout_size(config, target))
-    keep = mask.bool()
-    if config.loss_on == "answers":  # position t predicts x_{t+1}: an answer from prompt_len - 1 on
-        prompt = torch.tensor([p for *_, p in rows])
-        keep = keep & (torch.arange(width)[None, :] >= prompt[:, None] - 1)
-        if not keep.any():
-            return sum(p.sum() for p in trainable(draft)) * 0
+    # position t predicts x_{t+1}: an answer from prompt_len - 1 on
+    prompt = torch.tensor([p for *_, p in rows])
+    answers = mask.bool() & (torch.arange(width)[None, :] >= prompt[:, None] - 1)
+    keep = answers if config.loss_on == "answers" else mask.bool()
+    if not keep.any():
+        return sum(p.sum() for p in trainable(draft)) * 0
     hidden = draft.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     logits = readout(hidden[keep])
     with torch.no_grad():  # the teacher at every real position, in the order hidden[mask] holds them
-        teacher = torch.softmax(readout(torch.cat([h for _, h, _, _ in rows])).float(), -1)
-    return soft_ce(logits, teacher[keep[mask.bool()]])
+        teacher = torch.softmax(readout(torch.cat([h for _, h, _, _ in rows])).float(), -1)[keep[mask.bool()]]
+    if stats is not None:
+        scored = answers[keep]  # the kept positions that predict an answer token
+        _count_top1(stats, 0, logits[scored], teacher[scored])
+    return soft_ce(logits, teacher)
 
 
 class FirstRows(nn.Module):
@@ -708,10 +738,10 @@ def dev_loss(
 def dev_metrics(
     config: TrainConfig, module: nn.Module, target: PreTrainedModel, sequences: list[Sequence]
 ) -> dict:
-    """``dev_loss`` (:func:`dev_loss`) and, for EAGLE kinds and Medusa, ``dev_top1``: per step of
-    the training-time test (per head for Medusa, the tokens before its guess teacher-forced), the
-    share of held-out answer positions whose top drafted token is the target's top token within
-    the read-out. The loss changes with the loss's settings
+    """``dev_loss`` (:func:`dev_loss`) and ``dev_top1``: per step of the training-time test for
+    EAGLE kinds (per head for Medusa, the tokens before its guess teacher-forced; one entry for a
+    draft model), the share of held-out answer positions whose top drafted token is the target's
+    top token within the read-out. The loss changes with the loss's settings
     (``token_weight``, ``loss_on``); ``dev_top1`` does not, so it compares recipes."""
     if not sequences:
         raise ValueError("dev_loss needs at least one held-out sequence, got none")
@@ -719,13 +749,11 @@ def dev_metrics(
     was_training = module.training
     module.eval()
     total, positions, stats = 0.0, 0, {}
-    counted = config.kind in ("eagle", "eagle3", "medusa")
     with torch.no_grad(), _autocast(config, target):
         for batch in make_batches(sequences, config, 0):
             chosen = [sequences[i] for i in batch]
             n = sum(len(s.tokens) for s in chosen)
-            extra = {"stats": stats} if counted else {}
-            total += LOSSES[config.kind](module, target, chosen, quiet, **extra).item() * n
+            total += LOSSES[config.kind](module, target, chosen, quiet, stats=stats).item() * n
             positions += n
     module.train(was_training)
     metrics = {"dev_loss": total / positions}

@@ -62,3 +62,29 @@ def test_missing_heads_are_skipped_and_bad_configs_refused(bench_step):
         bench_step.StepBenchConfig(sizes=(2, 4))
     with pytest.raises(ValueError, match="unknown proposer"):
         bench_step.StepBenchConfig(proposers=("lookahead",))
+
+
+def test_heads_given_by_folder_replace_the_shipped_ones(bench_step, tmp_path):
+    """``--heads eagle=PATH`` drafts with that folder's head (the report names it); a malformed
+    value is refused by name."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from treespec.models import model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path("smollm2-135m-instruct"))
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=True))  # fmt: skip
+    tiny.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    random_head(tiny).save(tmp_path / "eagle")
+    out = tmp_path / "step.json"
+    argv = ["--model", str(tmp_path / "tiny"), "--dtype", "fp32", "--context", "16", "--batches", "1",
+            "--sizes", "1,2", "--budgets", "1,3", "--repeats", "1", "--warmup", "0", "--proposers", "eagle",
+            "--out", str(out)]  # fmt: skip
+    bench_step.main([*argv, "--heads", f"eagle={tmp_path / 'eagle'}"])
+    report = json.loads(out.read_text())
+    assert report["heads"] == {"eagle": str(tmp_path / "eagle")} and not report["skipped"]
+    assert [(r["proposer"], r["budget"]) for r in report["propose"]] == [("eagle", 1), ("eagle", 3)]
+    with pytest.raises(ValueError, match="KIND=PATH with KIND eagle, medusa or draft, got 'lookahead=x'"):
+        bench_step.main([*argv, "--heads", "lookahead=x"])

@@ -421,6 +421,8 @@ def _arguments(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
     parser.add_argument("--linear-backends", type=_csv,
                         help="comma list of treespec linear backends measured side by side (default auto); "
                              "the proposers draft with the first")  # fmt: skip
+    parser.add_argument("--heads", action="append", default=[], metavar="KIND=PATH",
+                        help="use this head folder for eagle, medusa or draft instead of the shipped one; repeatable")  # fmt: skip
     parser.add_argument("--full-readout", action="store_true",
                         help="EAGLE-1 heads, Medusa heads and the draft model read out through the whole vocabulary (default: the first "
                         f"{DRAFT_VOCAB} ids, as treespec bench)")  # fmt: skip
@@ -437,12 +439,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     overrides = {**(QUICK if args.quick else {}), **given}
     config = replace(StepBenchConfig(device=args.device, dtype=args.dtype, draft_vocab=not args.full_readout),
                      **overrides)  # fmt: skip
+    given_heads = {}
+    for text in args.heads:
+        kind, sep, path = text.partition("=")
+        if not sep or kind not in ("eagle", "medusa", "draft") or not path:
+            raise ValueError(f"--heads takes KIND=PATH with KIND eagle, medusa or draft, got {text!r}")
+        given_heads[kind] = path
     model, tokenizer = load(args.model, dtype=DTYPES[config.dtype], device=config.device)
-    shipped = head_registry.shipped_for(args.model)
+    chosen = {**head_registry.shipped_for(args.model), **given_heads}
     heads = {kind: head_registry.load(name, dtype=model.dtype, device=config.device, target_model=model)
-             for kind, name in shipped.items() if kind in config.proposers}  # fmt: skip
+             for kind, name in chosen.items() if kind in config.proposers}  # fmt: skip
     prompts = encode_prompts(tokenizer, [text for _, text in BENCH_PROMPTS])
-    report = {"model": args.model, **run(model, heads, prompts, config)}
+    used = {kind: str(name) for kind, name in chosen.items() if kind in heads}
+    report = {"model": args.model, "heads": used, **run(model, heads, prompts, config)}
     write(report, args.out)
 
 

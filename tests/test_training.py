@@ -282,7 +282,8 @@ def test_bad_recipe_settings_are_named(field, value, message):
 def test_dev_top1_counts_the_answer_positions_per_step(tiny_data):
     """EAGLE kinds report, per step of the training-time test, the share of held-out answer
     positions whose top draft is the target's top token: one number per step, whatever the loss
-    reads (here all positions or only the answers give the same share)."""
+    reads (here all positions or only the answers give the same share); Medusa one per head, a
+    draft model one."""
     model, folder = tiny_data
     data = HeadDataset(folder, model)
     model.float().requires_grad_(False)
@@ -296,8 +297,21 @@ def test_dev_top1_counts_the_answer_positions_per_step(tiny_data):
     medusa = TrainConfig(kind="medusa", medusa_heads=2, batch_tokens=40)
     per_head = dev_metrics(medusa, build_module(medusa, model, data), model, held_out)["dev_top1"]
     assert len(per_head) == 2 and all(0.0 <= a <= 1.0 for a in per_head)  # Medusa: one per head
-    draft = TrainConfig(kind="draft", draft_layers=1, batch_tokens=40)
-    assert "dev_top1" not in dev_metrics(draft, build_module(draft, model, data), model, held_out)
+    # a draft model: one number, its answer positions' top-1 against the target's, by hand here
+    draft = TrainConfig(kind="draft", draft_layers=1, draft_vocab_size=64, batch_tokens=40)
+    module = build_module(draft, model, data)
+    drafted = dev_metrics(draft, module, model, held_out)["dev_top1"]
+    assert (
+        drafted
+        == dev_metrics(dataclasses.replace(draft, loss_on="answers"), module, model, held_out)["dev_top1"]
+    )
+    correct = count = 0
+    with torch.no_grad():
+        for seq in held_out:
+            mine = module(seq.tokens[None]).logits[0, seq.prompt_len - 1 :, :64].argmax(-1)
+            theirs = model.lm_head(seq.hidden[seq.prompt_len - 1 :].float())[:, :64].argmax(-1)
+            correct, count = correct + int((mine == theirs).sum()), count + len(mine)
+    assert drafted == [correct / count]
 
 
 def test_a_resumed_run_refuses_another_recipe_and_names_what_differs(tiny_data, tmp_path):

@@ -190,7 +190,7 @@ class MedusaProposer(Proposer):
         config = self.heads.config
         if hidden is None:
             stack = (None, None, None, None, 0, None, (0, 0, 0, 0, 0), 0.0, 0.0)
-            readout, rows, heads = (None, self.readout_ids, None), (hidden, logits.float()), 0
+            readout, rows, heads = (None, self.readout_ids, None), (None, logits.float()), 0
         else:
             stack = (self.embed, None, None, self._table[0], config.num_layers, None,
                      (config.hidden_size, 0, 0, 0, 0), 0.0, 0.0)  # fmt: skip

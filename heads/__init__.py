@@ -28,6 +28,7 @@ __all__ = [
     "eagle",
     "export_published_eagle",
     "export_published_medusa",
+    "head_override",
     "load",
     "load_published_eagle",
     "load_published_medusa",
@@ -59,6 +60,15 @@ def _register_shipped() -> None:
 def shipped_for(model_name: str) -> dict[str, str]:
     """The shipped heads for a registered target model, kind -> head name (only those present)."""
     return {kind: name for kind, name in SHIPPED_FOR.get(model_name, {}).items() if name in _REGISTRY}
+
+
+def head_override(text: str) -> tuple[str, str]:
+    """``KIND=PATH`` as the benches' ``--heads`` take it (a head folder or registered name used
+    for that kind instead of the shipped one) -> (kind, path); anything else is a ValueError."""
+    kind, sep, path = text.partition("=")
+    if not sep or kind not in ("eagle", "medusa", "draft") or not path:
+        raise ValueError(f"--heads takes KIND=PATH with KIND eagle, medusa or draft, got {text!r}")
+    return kind, path
 
 
 def register(name: str, folder: str | Path) -> None:

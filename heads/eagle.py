@@ -294,16 +294,15 @@ class EagleHead(nn.Module):
             raise TypeError(f"target_ids must be a 1-D integer tensor, got {target_ids!r:.80}")
         ids = target_ids.long().cpu().sort().values
         own = self.target_ids().cpu()
-        row = torch.full((self.config.vocab_size,), -1, dtype=torch.long)
-        row[own] = torch.arange(len(own))  # target id -> its row in this head's read-out
-        inside = (ids >= 0) & (ids < self.config.vocab_size)
-        where = torch.where(inside, row[ids.clamp(0, self.config.vocab_size - 1)], -1)
-        found = where >= 0
+        found = torch.isin(ids, own)
         if not 1 <= len(ids) < len(own) or not bool(found.all()) or bool((ids[1:] == ids[:-1]).any()):
             raise ValueError(
                 f"target_ids must be 1 to {len(own) - 1} distinct ids of this head's {len(own)}-row read-out; got "
                 f"{len(ids)} ids, {int((~found).sum())} of them outside it"
             )
+        row = torch.full((self.config.vocab_size,), -1, dtype=torch.long)
+        row[own] = torch.arange(len(own))  # target id -> its row in this head's read-out
+        where = row[ids]
         head = EagleHead(replace(self.config, draft_vocab_size=len(ids)))
         state = {k: v for k, v in self.state_dict().items() if k != "d2t"}
         if self.config.eagle3:

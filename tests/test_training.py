@@ -17,6 +17,7 @@ from treespec.heads.training.data import HeadDataset, write_dataset
 from treespec.heads.training.prompts import DEV_PROMPTS, read_prompt_file, train_prompts
 from treespec.heads.training.train import (
     LOSSES,
+    ReadoutRows,
     TrainConfig,
     build_module,
     dev_loss,
@@ -324,6 +325,10 @@ def test_a_resumed_run_refuses_another_recipe_and_names_what_differs(tiny_data, 
     ):
         train(dataclasses.replace(config, lr=3e-4, feature_noise=0.2), model, data, tmp_path, resume=True,
               progress=False)  # fmt: skip
+    # a setting added after a checkpoint was written is taken as having run at its default
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    del saved["state"]["recipe"]["readout"]
+    torch.save(saved, tmp_path / "checkpoint.pt")
     # what does not change what is learnt may change
     report = train(dataclasses.replace(config, checkpoint_every=5), model, data, tmp_path, resume=True,
                    progress=False)  # fmt: skip
@@ -547,6 +552,57 @@ def test_draft_exports_as_a_standalone_hf_model(tiny_data, tmp_path):
     assert standalone.config.num_hidden_layers == 1
     with pytest.raises(ValueError, match="num_layers"):
         make_draft(model, 2)
+
+
+def test_a_draft_trained_on_the_datas_frequent_tokens_carries_them_and_drafts_through_them(
+    tiny_data, tmp_path
+):
+    """``readout="frequent"``: the draft's loss reads the data's most frequent tokens, the draft
+    carries them through a folder round trip, a checkpoint resume and an HF export (which leaves
+    them out), and drafts only them while the output stays the target's; Medusa refuses it."""
+    from conftest import record_drafted
+    from transformers import AutoModelForCausalLM
+
+    from treespec.heads.draft import export_draft_hf, load_draft, readout_ids, set_readout_ids
+    from treespec.heads.training.train import frequent_tokens
+    from treespec.proposers import DraftModelProposer
+
+    model, folder = tiny_data
+    data = HeadDataset(folder, model)
+    config = TrainConfig(kind="draft", epochs=1, draft_layers=1, draft_vocab_size=24, readout="frequent",
+                         batch_tokens=40, eval_prompts=0)  # fmt: skip
+    train(config, model, data, tmp_path, max_steps=1, progress=False)
+    train(config, model, data, tmp_path, resume=True, progress=False)  # the buffer rides in the checkpoint
+    expected = frequent_tokens(data.sequences(), 24, 128)
+    assert not torch.equal(expected, torch.arange(24))  # this data's frequent tokens are not the first ids
+    draft = load_draft(tmp_path / "head", model)
+    assert torch.equal(readout_ids(draft), expected)
+    ids = torch.tensor([seq.tokens[1:].tolist() for seq in data.sequences()[:1]])
+    rows = ReadoutRows(model.lm_head, expected)
+    with torch.no_grad():  # the loss reads exactly those rows of the shared LM head
+        hidden = draft.base_model(input_ids=ids).last_hidden_state
+        assert torch.equal(rows(hidden), draft.lm_head(hidden)[..., expected])
+    proposer = DraftModelProposer(draft, target_model=model, dynamic=(3, 3, 8))
+    drafted = record_drafted(proposer)
+    out = treespec.generate(model, PROMPTS[:2], max_new_tokens=12, proposer=proposer)
+    assert out.sequences == [hf_greedy(model, p, 12) for p in PROMPTS[:2]]
+    assert drafted and drafted <= set(expected.tolist())
+    whole = DraftModelProposer(draft, target_model=model, dynamic=(3, 3, 8), readout_ids=range(128))
+    assert len(whole.readout_ids) == 128  # named ids win over the carried ones
+    export_draft_hf(draft, tmp_path / "hf")
+    standalone = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert not hasattr(standalone, "readout_ids") and hasattr(draft, "readout_ids")
+    with pytest.raises(ValueError, match="readout 'frequent' is for draft models"):
+        TrainConfig(kind="medusa", readout="frequent")
+    with pytest.raises(ValueError, match="readout must be one of"):
+        TrainConfig(kind="draft", readout="last")
+    for bad, error, message in (
+        (expected.float(), TypeError, "1-D integer tensor"),
+        (torch.tensor([3, 3]), ValueError, "distinct ids"),
+        (torch.tensor([5, 128]), ValueError, "distinct ids in \\[0, 128\\)"),
+    ):
+        with pytest.raises(error, match=message):
+            set_readout_ids(draft, bad)
 
 
 def test_training_time_test_feeds_each_depth_what_inference_feeds_it():

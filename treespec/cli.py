@@ -325,13 +325,6 @@ def _add_bench_output_options(bench: argparse.ArgumentParser, option: Callable[.
                        "repeatable (default: the heads shipped for the model)")  # fmt: skip
 
 
-def _kind_path(text: str) -> tuple[str, str]:
-    kind, sep, path = text.partition("=")
-    if not sep or kind not in ("eagle", "medusa", "draft") or not path:
-        raise ValueError(f"--heads takes KIND=PATH with KIND eagle, medusa or draft, got {text!r}")
-    return kind, path
-
-
 def _bench(args: argparse.Namespace) -> int:
     print(
         "treespec bench: importing torch and transformers", flush=True
@@ -339,6 +332,7 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from treespec.bench.e2e import BenchConfig, run
+    from treespec.heads import head_override
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -362,7 +356,7 @@ def _bench(args: argparse.Namespace) -> int:
         **_config_values(args, BENCH_CONFIG),
         json=args.json,
         plot=plot,
-        heads=tuple(_kind_path(h) for h in args.heads),
+        heads=tuple(head_override(h) for h in args.heads),
     )
     run(config)
     return EXIT_OK
@@ -511,7 +505,10 @@ def _add_train_stage(stages: argparse._SubParsersAction) -> None:
     option("draft_layers", type=int)
     option("draft_vocab_size", type=int,
            help="read-out vocabulary: EAGLE kinds, the data's most frequent tokens; Medusa and "
-           "draft, the first N ids, as treespec bench drafts (0: all)")  # fmt: skip
+           "draft, the first N ids, as treespec bench drafts (0: all), or as --readout says")  # fmt: skip
+    option("readout", choices=["first", "frequent"],
+           help="draft models: read out through the first N ids, or through the data's N most frequent "
+           "tokens (stored with the draft, which drafts through them)")  # fmt: skip
     option(
         "ttt_steps",
         type=int,

@@ -21,9 +21,10 @@ its distribution p_t = softmax(lm_head(h_t)) over x_{t+1}):
 - ``loss_on``: "all" positions (the prompts' included), or "answers": only the positions whose
   predicted token the target generated (EAGLE: x_{t+2}; draft: x_{t+1}). Medusa always trains
   on the answers.
-- Medusa and draft read out through the first ``draft_vocab_size`` rows of the LM head (the
-  frequent ids of a BPE vocabulary), as ``treespec bench`` drafts with them: the teacher's
-  distribution is renormalised over them.
+- Medusa and draft read out through ``draft_vocab_size`` rows of the LM head, as ``treespec
+  bench`` drafts with them: the teacher's distribution is renormalised over them. The rows are
+  the first ids (the frequent ones of a BPE vocabulary), or with ``readout="frequent"`` (draft
+  models) the tokens the data holds most often, which the draft then carries (``readout_ids``).
 
 AdamW, linear warm-up (``warmup_steps``, or ``warmup_ratio`` of the run) then cosine decay to
 10 %, gradient clipping, a checkpoint after every epoch (and every ``checkpoint_every`` steps)
@@ -51,7 +52,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from treespec.api import generate
-from treespec.heads.draft import make_draft, save_draft
+from treespec.heads.draft import make_draft, readout_ids, save_draft, set_readout_ids
 from treespec.heads.eagle import EagleConfig, EagleHead
 from treespec.heads.medusa import MedusaConfig, MedusaHeads
 from treespec.heads.training.data import HeadDataset, Sequence
@@ -61,6 +62,7 @@ from treespec.proposers import DraftModelProposer, EagleProposer, MedusaProposer
 KINDS = ("eagle", "eagle3", "medusa", "draft")
 PRECISIONS = ("fp32", "bf16")
 LOSS_ON = ("all", "answers")
+READOUTS = ("first", "frequent")
 # TrainConfig fields a resumed run may change: they do not change what is learnt
 RESUMABLE_CHANGES = frozenset({"checkpoint_every", "eval_prompts", "eval_new_tokens"})
 CHECKPOINT = "checkpoint.pt"
@@ -88,8 +90,11 @@ class TrainConfig:
     medusa_conditioned: bool = False  # Medusa: each head also reads the tokens before its guess (Hydra)
     draft_layers: int = 2
     draft_vocab_size: int = (
-        DRAFT_VOCAB  # read-out rows (0: all): EAGLE, the most frequent tokens; else the first ids
+        DRAFT_VOCAB  # read-out rows (0: all): EAGLE, the most frequent tokens; else as ``readout``
     )
+    # draft models: their read-out rows are the "first" ids, or the data's most "frequent" tokens
+    # (stored with the draft); Medusa heads take the first ids
+    readout: str = "first"
     checkpoint_every: int = 0  # steps; 0: only at the end of each epoch
     # "bf16": forwards and backwards under bf16 autocast (weights, gradients and AdamW state stay
     # fp32), several times faster on CPUs with bf16 matrix units; "fp32": every op in fp32
@@ -112,6 +117,13 @@ class TrainConfig:
             raise ValueError(f"data_tokens must be a positive int or None, got {self.data_tokens!r}")
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"loss_on must be one of {LOSS_ON}, got {self.loss_on!r}")
+        if self.readout not in READOUTS:
+            raise ValueError(f"readout must be one of {READOUTS}, got {self.readout!r}")
+        if self.readout != "first" and self.kind != "draft":
+            raise ValueError(
+                f"readout {self.readout!r} is for draft models (EAGLE heads always read out through the data's "
+                f"most frequent tokens, Medusa heads through the first ids); got kind {self.kind!r}"
+            )
         if self.warmup_ratio is not None and not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1) or None, got {self.warmup_ratio!r}")
         for name in ("feature_noise", "token_weight"):
@@ -164,6 +176,10 @@ def build_module(
                                         conditioned=config.medusa_conditioned))  # fmt: skip
     draft = make_draft(target, config.draft_layers)
     draft.float()
+    rows = readout_size(config, target)
+    if config.readout == "frequent" and rows < target.get_output_embeddings().weight.shape[0]:
+        vocab = target.get_output_embeddings().weight.shape[0]
+        set_readout_ids(draft, frequent_tokens(data if sequences is None else sequences, rows, vocab))
     return draft
 
 
@@ -389,7 +405,7 @@ def medusa_loss(
     on the positions t whose x_{t+2} the target generated. Weight 0.8^i per head. Conditioned
     heads also read the embeddings of x_{t+1} .. x_{t+i+1}, the tokens the data holds (teacher
     forcing: the target generated them)."""
-    readout = FirstRows(target.get_output_embeddings(), readout_size(config, target))
+    readout = ReadoutRows(target.get_output_embeddings(), readout_size(config, target))
     num_heads = heads.config.num_heads
     conditioned = heads.config.conditioned
     rows, teacher_at, valid, hidden_all, before, offset = [], [], [], [], [], 0
@@ -443,7 +459,8 @@ def draft_loss(
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for b, (tokens, *_rest) in enumerate(rows):
         ids[b, : len(tokens)], mask[b, : len(tokens)] = tokens, 1
-    readout = FirstRows(lm_head, readout_size(config, target))
+    own = readout_ids(draft)
+    readout = ReadoutRows(lm_head, readout_size(config, target) if own is None else own)
     # position t predicts x_{t+1}: an answer from prompt_len - 1 on
     prompt = torch.tensor([p for *_, p in rows])
     answers = mask.bool() & (torch.arange(width)[None, :] >= prompt[:, None] - 1)
@@ -460,17 +477,21 @@ def draft_loss(
     return soft_ce(logits, teacher)
 
 
-class FirstRows(nn.Module):
-    """The first ``rows`` rows of an LM head (a view, no copy): the read-out Medusa heads and
-    draft models are trained through, as ``treespec bench --draft-vocab`` drafts with them."""
+class ReadoutRows(nn.Module):
+    """Rows of an LM head: the first ``rows`` (a view, no copy; as ``treespec bench
+    --draft-vocab`` drafts Medusa heads and draft models), or the ids in a tensor (a draft model
+    that carries its own read-out ids)."""
 
-    def __init__(self, lm_head: nn.Module, rows: int) -> None:
+    def __init__(self, lm_head: nn.Module, rows: int | torch.Tensor) -> None:
         super().__init__()
         self.lm_head, self.rows = lm_head, rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.lm_head.bias is None else self.lm_head.bias[: self.rows]
-        return F.linear(x, self.lm_head.weight[: self.rows], bias)
+        if isinstance(self.rows, int):
+            bias = None if self.lm_head.bias is None else self.lm_head.bias[: self.rows]
+            return F.linear(x, self.lm_head.weight[: self.rows], bias)
+        bias = None if self.lm_head.bias is None else self.lm_head.bias[self.rows]
+        return F.linear(x, self.lm_head.weight[self.rows], bias)
 
 
 def readout_size(config: TrainConfig, target: PreTrainedModel) -> int:
@@ -591,6 +612,11 @@ class _Loop:
                 f"this run has {self.planned}. Resume with the same data and options, or use a new --out folder"
             )
         saved = self.state.get("recipe", self.recipe)  # checkpoints before the recipe was kept: trusted
+        # a setting added after the checkpoint was written ran at its default
+        saved = {
+            **{k: v for k, v in asdict(TrainConfig(self.config.kind)).items() if k in self.recipe},
+            **saved,
+        }
         differ = sorted(k for k in set(saved) | set(self.recipe) if saved.get(k) != self.recipe.get(k))
         if differ:
             changes = ", ".join(f"{k}: {saved.get(k)!r} -> {self.recipe.get(k)!r}" for k in differ)
@@ -704,6 +730,8 @@ def proposer_for(config: TrainConfig, module: nn.Module, target: PreTrainedModel
         return EagleProposer(module, target, **EAGLE_TREE)  # as treespec bench drafts
     rows = readout_size(config, target)
     readout = range(rows) if rows < target.get_output_embeddings().weight.shape[0] else None
+    if config.kind == "draft" and readout_ids(module) is not None:
+        readout = None  # the draft reads out through its own ids
     if config.kind == "medusa":
         return MedusaProposer(module, target, **MEDUSA_TREE, readout_ids=readout)
     return DraftModelProposer(module, target_model=target, **DRAFT_TREE, readout_ids=readout)

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from treespec import heads
 from treespec.api import generate
 from treespec.budget import AdaptiveProposer, BudgetChooser, BudgetMemory, CostModel, fixed_budget
+from treespec.heads.draft import readout_ids
 from treespec.kernels import cpu_kernels
 from treespec.kernels.tree_attention import BACKENDS as ATTENTION_BACKENDS
 from treespec.models import DEFAULT_MODEL, DTYPES, load
@@ -210,10 +211,11 @@ class Components:
     def _readout(self, kind: str) -> range | None:
         """The reduced read-out of an EAGLE-1 head, Medusa heads or a draft model (``draft_vocab``
         first ids), or None: the whole vocabulary, or heads with their own (EAGLE-3, an EAGLE-1
-        head trained with a draft vocabulary, Medusa heads with their own LM heads)."""
+        head trained with a draft vocabulary, Medusa heads with their own LM heads, a draft model
+        that carries its read-out ids)."""
         head = self.head(kind, for_what=f"method {kind!r}")
-        if kind == "draft":  # a draft model: its own (shared) LM head, read out like the heads'
-            vocab, own = head.get_output_embeddings().weight.shape[0], False
+        if kind == "draft":  # a draft model: its own (shared) LM head, its own ids if it carries them
+            vocab, own = head.get_output_embeddings().weight.shape[0], readout_ids(head) is not None
         elif kind == "medusa":
             vocab, own = head.config.vocab_size, head.config.own_lm_head
         else:

@@ -44,6 +44,7 @@ import torch
 from treespec import heads as head_registry
 from treespec.bench.timing import median_seconds
 from treespec.engine import Engine
+from treespec.heads.draft import readout_ids
 from treespec.models import DEFAULT_MODEL, DTYPES, load
 from treespec.presets import DRAFT_TREE, DRAFT_VOCAB, EAGLE_TREE, MEDUSA_TREE
 from treespec.prompts import BENCH_PROMPTS, encode_prompts
@@ -209,7 +210,8 @@ def make_proposer(kind: str, model, head, batch: int, budget: int, config: StepB
                                   readout_ids=None if head.config.own_lm_head else readout)  # fmt: skip
     else:  # draft
         proposer = DraftModelProposer(head, target_model=model, **DRAFT_TREE, max_batch_size=batch,
-                                      attention_backend=config.attention_backend, readout_ids=readout)  # fmt: skip
+                                      attention_backend=config.attention_backend,
+                                      readout_ids=None if readout_ids(head) is not None else readout)  # fmt: skip
     proposer.set_budget(budget, budget)  # as deep as the nodes allow, within the proposer's depth
     return proposer
 
@@ -439,12 +441,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     overrides = {**(QUICK if args.quick else {}), **given}
     config = replace(StepBenchConfig(device=args.device, dtype=args.dtype, draft_vocab=not args.full_readout),
                      **overrides)  # fmt: skip
-    given_heads = {}
-    for text in args.heads:
-        kind, sep, path = text.partition("=")
-        if not sep or kind not in ("eagle", "medusa", "draft") or not path:
-            raise ValueError(f"--heads takes KIND=PATH with KIND eagle, medusa or draft, got {text!r}")
-        given_heads[kind] = path
+    given_heads = dict(head_registry.head_override(text) for text in args.heads)
     model, tokenizer = load(args.model, dtype=DTYPES[config.dtype], device=config.device)
     chosen = {**head_registry.shipped_for(args.model), **given_heads}
     heads = {kind: head_registry.load(name, dtype=model.dtype, device=config.device, target_model=model)

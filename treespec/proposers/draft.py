@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from treespec.heads.draft import readout_ids as carried_readout_ids
 from treespec.kernels import cpu_kernels
 from treespec.processors import process_draft, tree_paths
 from treespec.proposers.base import ProposalRequest, Proposer, reduced_rows
@@ -72,7 +73,8 @@ class DraftModelProposer(Proposer):
     ) -> None:
         """``readout_ids``: the draft reads out through these rows of its LM head only (a reduced
         draft vocabulary, as for EAGLE and Medusa heads); a token outside is never drafted, the
-        output is the target's either way. ``dynamic=(top_k, depth, num_nodes)`` grows an EAGLE-2 dynamic tree over the draft's
+        output is the target's either way. None: the ids the draft carries where it was trained
+        with its own (``treespec.heads.draft.set_readout_ids``), else every row. ``dynamic=(top_k, depth, num_nodes)`` grows an EAGLE-2 dynamic tree over the draft's
         cumulative log-probabilities (``tree.build_dynamic_tree``) instead of ``shape``; its
         children are top-k, so it cannot be combined with ``sample``. ``max_batch_size``
         requests at once (the engine admits no more). With ``sample=True`` the draws use
@@ -108,6 +110,8 @@ class DraftModelProposer(Proposer):
         self._slot: dict[int, int] = {}  # request id -> draft cache slot
         self.native = self._native(native)
         self.readout_ids, self.readout = None, None
+        if readout_ids is None:
+            readout_ids = carried_readout_ids(draft_model)
         if readout_ids is not None:
             top_k = dynamic[0] if dynamic is not None else self.shape.max_rank + 1
             self.readout_ids, rows = reduced_rows(

@@ -678,7 +678,8 @@ def _add_eval_stage(stages: argparse._SubParsersAction) -> None:
                        help="held-out data folder that 'features' wrote (DATA/dev), never trained on")  # fmt: skip
     check.add_argument("--batch-tokens", type=int, default=2048, help="positions per batch")
     check.add_argument("--draft-vocab-size", type=int, default=None,
-                       help="Medusa and draft: the read-out's first N ids, as trained (default: the training default)")  # fmt: skip
+                       help="Medusa and draft: the read-out's first N ids, as trained (default: the training "
+                            "default; a draft that carries its own read-out ids reads out through them)")  # fmt: skip
     check.add_argument("--ttt-steps", type=int, default=1,
                        help="EAGLE kinds: also run the head on its own outputs, this many steps in all, and "
                             "report the top-1 agreement per step (the deeper levels' proxy; default: 1)")  # fmt: skip

@@ -176,9 +176,8 @@ def build_module(
                                         conditioned=config.medusa_conditioned))  # fmt: skip
     draft = make_draft(target, config.draft_layers)
     draft.float()
-    rows = readout_size(config, target)
-    if config.readout == "frequent" and rows < target.get_output_embeddings().weight.shape[0]:
-        vocab = target.get_output_embeddings().weight.shape[0]
+    vocab, rows = target.get_output_embeddings().weight.shape[0], readout_size(config, target)
+    if config.readout == "frequent" and rows < vocab:
         set_readout_ids(draft, frequent_tokens(data if sequences is None else sequences, rows, vocab))
     return draft
 
@@ -487,11 +486,9 @@ class ReadoutRows(nn.Module):
         self.lm_head, self.rows = lm_head, rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.rows, int):
-            bias = None if self.lm_head.bias is None else self.lm_head.bias[: self.rows]
-            return F.linear(x, self.lm_head.weight[: self.rows], bias)
-        bias = None if self.lm_head.bias is None else self.lm_head.bias[self.rows]
-        return F.linear(x, self.lm_head.weight[self.rows], bias)
+        rows = slice(self.rows) if isinstance(self.rows, int) else self.rows
+        bias = None if self.lm_head.bias is None else self.lm_head.bias[rows]
+        return F.linear(x, self.lm_head.weight[rows], bias)
 
 
 def readout_size(config: TrainConfig, target: PreTrainedModel) -> int:
